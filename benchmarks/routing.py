@@ -1,0 +1,243 @@
+"""Routing benchmark: speed, balance and objective of every router on synthetic score matrices.
+
+    python -m benchmarks.routing --quick            # small grid, seconds
+    python -m benchmarks.routing                    # the full grid
+    python -m benchmarks.routing --docs             # also rewrite the table in docs/benchmarks.md
+
+Legend: T tokens, E experts, K experts per token. Each case draws a (T, E) score matrix, runs
+every method on it, and reports the median time over repeats, max_load / mean_load, dropped
+fraction at capacity factors 1.0 and 1.25, and the objective (sum of the chosen scores)
+relative to the exact balanced optimum (scipy, when small enough) and to the unconstrained
+top-k bound. Writes JSON, a markdown table and a PNG under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe.routing import assignment_score, balanced_assignment, expert_capacities, sinkhorn
+
+GRID = {"T": [1024, 4096, 16384, 65536], "E": [8, 64, 256], "K": [1, 2, 8]}
+QUICK = {"T": [1024, 4096], "E": [8, 64], "K": [1, 2]}
+DISTS = ("gaussian", "skewed", "zipf")
+SCIPY_MAX_SLOTS = 4096  # expanded (T*K) x (T*K) Hungarian; beyond this it takes minutes
+DOC_BEGIN, DOC_END = "<!-- routing:begin -->", "<!-- routing:end -->"
+
+
+def scores_for(dist: str, t: int, e: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, e, generator=g)
+    if dist == "skewed":  # an eighth of the experts are favoured by most tokens
+        x[:, : max(1, e // 8)] += 2.0
+    elif dist == "zipf":  # expert popularity ~ 1 / rank, as a log-prior on the scores
+        x += torch.log(1.0 / torch.arange(1, e + 1, dtype=torch.float32))
+    return x
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def load_metrics(idx: torch.Tensor, num_experts: int, num_slots: int) -> dict:
+    """Balance and capacity drops of a selection of ``num_slots`` = T*K slots (-1 entries ignored)."""
+    kept = idx[idx >= 0]
+    counts = torch.bincount(kept, minlength=num_experts).double()
+    mean = num_slots / num_experts
+    row = {"max_load": float(counts.max() / mean)}
+    for cf in (1.0, 1.25):
+        cap = math.ceil(cf * mean)
+        row[f"drop@{cf}"] = float((counts - cap).clamp(min=0).sum() / max(1, num_slots))
+    return row
+
+
+def exact_optimum(scores: torch.Tensor, k: int) -> tuple[float, float] | None:
+    """(objective, seconds) of scipy's Hungarian on the expanded matrix, k = 1 only."""
+    if k != 1 or scores.shape[0] > SCIPY_MAX_SLOTS:
+        return None
+    from scipy.optimize import linear_sum_assignment
+
+    t, e = scores.shape
+    m = scores.double().numpy()[:, np.repeat(np.arange(e), expert_capacities(t, e, 1).numpy())]
+    t0 = time.perf_counter()
+    r, c = linear_sum_assignment(m, maximize=True)
+    return float(m[r, c].sum()), time.perf_counter() - t0
+
+
+def methods(k: int, sinkhorn_iters: int):
+    def topk(s):
+        return s.topk(k, dim=1).indices
+
+    def sink(s):
+        return sinkhorn(s, sinkhorn_iters, 1.0).topk(k, dim=1).indices
+
+    def expert_choice(s):  # each expert takes its top C tokens; (T, E) slots, -1 where not taken
+        t, e = s.shape
+        c = min(t, math.ceil(t * k / e))
+        take = s.softmax(dim=1).topk(c, dim=0).indices
+        idx = torch.full((t, e), -1, dtype=torch.int64)
+        idx.scatter_(0, take, torch.arange(e).expand(c, e))
+        return idx
+
+    return {"base": lambda s: balanced_assignment(s, k), "topk": topk, "sinkhorn": sink, "expert_choice": expert_choice}
+
+
+def run_case(t: int, e: int, k: int, dist: str, repeats: int, sinkhorn_iters: int) -> list[dict]:
+    scores = scores_for(dist, t, e)
+    bound = float(scores.topk(k, dim=1).values.double().sum())
+    exact = exact_optimum(scores, k)
+    rows = []
+    for name, fn in methods(k, sinkhorn_iters).items():
+        sec, idx = timed(lambda fn=fn: fn(scores), repeats)
+        obj = float(assignment_score(scores, idx))
+        row = {"T": t, "E": e, "K": k, "dist": dist, "method": name, "ms": sec * 1e3}
+        row.update(load_metrics(idx, e, t * k))
+        row["obj/bound"] = obj / bound if bound else float("nan")
+        if name == "base":
+            row["exact_balance"] = bool(
+                torch.equal(torch.bincount(idx.flatten(), minlength=e), expert_capacities(t, e, k))
+            )
+            if exact is not None:
+                row["gap_vs_exact"] = (exact[0] - obj) / abs(exact[0])
+                row["scipy_ms"] = exact[1] * 1e3
+                row["speedup_vs_scipy"] = exact[1] / sec
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"Command: `{meta['command']}` on {meta['machine']} ({meta['threads']} torch threads, torch {meta['torch']}),"
+        f" {meta['date']}. Median of {meta['repeats']} repeats.",
+        "",
+    ]
+    base = [r for r in rows if r["method"] == "base" and "speedup_vs_scipy" in r]
+    if base:
+        lines += [
+            "BASE balanced assignment against scipy's exact solver (`linear_sum_assignment` on the expanded matrix):",
+            "",
+        ]
+        lines += [
+            "| T | E | K | dist | ours ms | scipy ms | speedup | gap vs exact |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in base:
+            lines.append(
+                f"| {r['T']} | {r['E']} | {r['K']} | {r['dist']} | {r['ms']:.2f} | {r['scipy_ms']:.1f} | "
+                f"{r['speedup_vs_scipy']:.0f}x | {r['gap_vs_exact']:.2e} |"
+            )
+        lines.append("")
+    lines += [
+        "All routers side by side (max_load = max/mean tokens per expert; drop@cf = slots over a capacity of"
+        " cf x mean; obj/bound = chosen scores / unconstrained top-k scores):",
+        "",
+        "| T | E | K | dist | method | ms | max_load | drop@1.0 | drop@1.25 | obj/bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['T']} | {r['E']} | {r['K']} | {r['dist']} | {r['method']} | {r['ms']:.2f} | {r['max_load']:.3f} | "
+            f"{r['drop@1.0']:.3f} | {r['drop@1.25']:.3f} | {r['obj/bound']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ("base", "topk", "sinkhorn", "expert_choice"):
+        sel = sorted(
+            (r for r in rows if r["method"] == name and r["dist"] == "gaussian" and r["K"] == 1), key=lambda r: r["T"]
+        )
+        for e in sorted({r["E"] for r in sel}):
+            pts = [r for r in sel if r["E"] == e]
+            ax_t.plot([r["T"] for r in pts], [r["ms"] for r in pts], marker="o", label=f"{name} E={e}")
+        sel = [r for r in rows if r["method"] == name]
+        ax_l.scatter([r["T"] * r["K"] / r["E"] for r in sel], [r["max_load"] for r in sel], label=name, s=12)
+    ax_t.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="median ms", title="routing time (gaussian, K=1)")
+    ax_l.set(xscale="log", yscale="log", xlabel="tokens per expert T*K/E", ylabel="max_load / mean", title="balance")
+    ax_t.legend(fontsize=6)
+    ax_l.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_docs(md: str, png: Path, docs: Path) -> None:
+    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    block = f"{DOC_BEGIN}\n{md}\n![routing benchmark]({png.relative_to(docs.parent)})\n{DOC_END}"
+    if DOC_BEGIN in text:
+        head, rest = text.split(DOC_BEGIN, 1)
+        text = head + block + rest.split(DOC_END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n## Routing\n\n" + block + "\n"
+    docs.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small grid that runs in seconds")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per case (median reported)")
+    ap.add_argument("--dists", nargs="+", default=None, choices=DISTS)
+    ap.add_argument("--sinkhorn-iters", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("runs/routing"))
+    ap.add_argument("--docs", action="store_true", help="rewrite the routing section of docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    grid = QUICK if args.quick else GRID
+    dists = args.dists or (("gaussian", "skewed") if args.quick else DISTS)
+    repeats = args.repeats or (3 if args.quick else 5)
+    cases = [(t, e, k, d) for t in grid["T"] for e in grid["E"] for k in grid["K"] if k <= e for d in dists]
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bars are optional
+
+        def tqdm(x, **_):
+            return x
+
+    rows = []
+    for t, e, k, d in tqdm(cases, desc="routing cases"):
+        rows.extend(run_case(t, e, k, d, repeats, args.sinkhorn_iters))
+    meta = {
+        "command": "python -m benchmarks.routing" + (" --quick" if args.quick else ""),
+        "machine": f"{platform.machine()} {platform.processor() or ''} ({torch.get_num_threads()} threads)".strip(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "repeats": repeats,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "routing.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = markdown(rows, meta)
+    (args.out / "routing.md").write_text(md)
+    png = args.out / "routing.png"
+    try:
+        plot(rows, png)
+    except ImportError:
+        print("matplotlib missing: no plot (pip install 'moe[bench]')")
+    print(md)
+    if args.docs:
+        img = Path("docs/img/routing.png")
+        img.parent.mkdir(parents=True, exist_ok=True)
+        img.write_bytes(png.read_bytes())
+        write_docs(md, img, Path("docs/benchmarks.md"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""BASE router (Lewis et al. 2021): balanced assignment in training, greedy top-k in eval.
+
+Legend: T tokens, D model width, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .balanced import balanced_assignment
+from .common import check_seq_len, check_tokens, gate_logits, router_losses
+from .config import RouterConfig
+from .result import RoutingResult, routing_stats
+
+__all__ = ["BaseRouter"]
+
+
+class BaseRouter(nn.Module):
+    """Routes by token-centroid affinity s = x @ centroids.T (fp32).
+
+    Training: `balanced_assignment` on s, so every expert gets exactly its share of the tokens.
+    Eval (``module.eval()``): each token takes its K highest-affinity experts, as in the paper.
+    The gate is sigmoid(s) at the chosen experts: the assignment itself has no gradient, the
+    centroids learn through the gate. With K = 1 the layer's ``sigmoid_residual`` combine gives
+    BASE's ``alpha * expert(x) + (1 - alpha) * x``.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))  # (E, D) expert centroids
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # orthogonal centroids, small gain: distinct experts, gates start near sigmoid(0) = 0.5
+        nn.init.orthogonal_(self.weight, gain=0.1)
+
+    def forward(self, x_TD: Tensor, *, seq_len: int | None = None) -> RoutingResult:
+        """Route ``x: (T, D)``. Returns ``expert_idx, weights: (T, K)``, ``counts: (E,)``.
+
+        Losses follow the config's coefficients like the other routers (BASE itself needs none:
+        its balance is exact by construction).
+        """
+        cfg = self.config
+        check_tokens(x_TD, cfg.dim)
+        check_seq_len(cfg, seq_len, x_TD.shape[0])
+        logits_TE = gate_logits(x_TD, self.weight)
+        if self.training:
+            idx_TK = balanced_assignment(logits_TE.detach(), cfg.top_k, max_iters=cfg.base_max_iters)
+        else:
+            idx_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices
+        weights_TK = torch.sigmoid(logits_TE.gather(1, idx_TK))
+        counts_E = torch.bincount(idx_TK.flatten(), minlength=cfg.num_experts)
+        probs_TE = logits_TE.softmax(dim=-1)
+        aux_loss, z_loss = router_losses(cfg, logits_TE, probs_TE, idx_TK, seq_len)
+        stats = routing_stats(counts_E, idx_TK.numel(), 0, probs_TE)
+        return RoutingResult(
+            expert_idx=idx_TK, weights=weights_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
+        )
+
+    def extra_repr(self) -> str:
+        return f"dim={self.config.dim}, num_experts={self.config.num_experts}, top_k={self.config.top_k}"

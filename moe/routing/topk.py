@@ -1,0 +1,117 @@
+"""Top-k token-choice router (Switch, Mixtral, DeepSeek-V3).
+
+Legend: T tokens, D model dim, E experts, K expert slots per token, G expert groups, N = T*K slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .common import check_seq_len, check_tokens, drop_by_score, gate_logits, router_losses
+from .config import RouterConfig
+from .result import RoutingResult, routing_stats
+
+__all__ = ["TopKRouter"]
+
+_TINY = torch.finfo(torch.float32).tiny  # keeps a renormalising division finite when every score underflowed
+
+
+class TopKRouter(nn.Module):
+    """Each token picks its K best experts by score (token choice).
+
+    - Scores: ``softmax`` or ``sigmoid`` of the fp32 logits ``x @ weight.T`` (``config.score_func``).
+    - Selection: top-k of ``scores + bias``. ``bias`` (E,) is a buffer for aux-loss-free balancing
+      (DeepSeek-V3): it changes which experts are chosen, never the gate values. In training with
+      ``config.bias_update_rate > 0`` every forward moves it, outside autograd, by
+      ``rate * sign(mean_load - load_e)``, where loads count the selection before capacity drops.
+    - Group-limited routing (``n_groups > 1``): experts form ``n_groups`` contiguous groups; a
+      group's score is the sum of its two best (biased) scores, one when a group has a single
+      expert; each token may only choose experts of its ``topk_groups`` best groups.
+    - Gates: the chosen (unbiased) scores, divided by their sum when ``config.renormalize``.
+    - Capacity: ``capacity_factor=None`` is dropless. Otherwise every expert takes at most
+      ``ceil(capacity_factor * T * K / E)`` slots. Drop policy "by score": an over-full expert
+      keeps its slots with the highest gate value (after renormalisation), ties going to the
+      lowest token index, and drops the rest (``expert_idx = -1``, ``weight = 0``). A dropped
+      slot is not re-routed; the token's other slots keep their weights.
+    - Losses: ``aux_loss = aux_loss_coef * load_balancing_loss + seq_aux_loss_coef *
+      sequence_load_balancing_loss`` (the latter needs ``seq_len``) and ``z_loss = z_loss_coef *
+      router_z_loss``. They use the selection before capacity drops, as Switch and Megatron do,
+      so dropping never lowers the loss, and probabilities that sum to one per token: the softmax,
+      or the sigmoid scores divided by their sum.
+
+    Returned weights are fp32 whatever the input dtype.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))
+        self.register_buffer("bias", torch.zeros(config.num_experts))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+        with torch.no_grad():
+            self.bias.zero_()
+
+    def forward(self, x_TD: Tensor, *, seq_len: int | None = None) -> RoutingResult:
+        """Route ``x: (T, D)``; ``seq_len`` splits the T tokens into sequences for the sequence-wise loss.
+
+        Returns a `RoutingResult` with ``expert_idx, weights: (T, K)`` and ``counts: (E,)``.
+        """
+        cfg = self.config
+        check_tokens(x_TD, cfg.dim)
+        num_tokens, k, num_experts = x_TD.shape[0], cfg.top_k, cfg.num_experts
+        check_seq_len(cfg, seq_len, num_tokens)
+
+        logits_TE = gate_logits(x_TD, self.weight)
+        scores_TE = logits_TE.softmax(dim=-1) if cfg.score_func == "softmax" else logits_TE.sigmoid()
+        idx_TK = self._select(scores_TE.detach())
+        gates_TK = scores_TE.gather(1, idx_TK)
+        if cfg.renormalize:
+            gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True).clamp(min=_TINY)
+        if self.training and cfg.bias_update_rate > 0:
+            self._update_bias(idx_TK)
+
+        if cfg.score_func == "softmax":
+            probs_TE = scores_TE
+        else:
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp(min=_TINY)
+        aux_loss, z_loss = router_losses(cfg, logits_TE, probs_TE, idx_TK, seq_len)
+
+        if cfg.capacity_factor is not None:
+            capacity = math.ceil(cfg.capacity_factor * num_tokens * k / num_experts)
+            keep_TK = drop_by_score(idx_TK, gates_TK.detach(), num_experts, capacity)
+            idx_TK = torch.where(keep_TK, idx_TK, -1)
+            gates_TK = torch.where(keep_TK, gates_TK, torch.zeros_like(gates_TK))
+        kept = idx_TK[idx_TK >= 0]
+        counts_E = torch.bincount(kept, minlength=num_experts)
+        stats = routing_stats(counts_E, num_tokens * k, num_tokens * k - kept.numel(), probs_TE)
+        return RoutingResult(
+            expert_idx=idx_TK, weights=gates_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
+        )
+
+    def _select(self, scores_TE: Tensor) -> Tensor:
+        """(T, E) scores without grad -> (T, K) chosen experts, honouring the bias and group limits."""
+        cfg = self.config
+        sel_TE = scores_TE + self.bias.float()
+        groups = cfg.n_groups
+        if groups > 1 and cfg.topk_groups < groups:
+            num_tokens, num_experts = sel_TE.shape
+            per_group = num_experts // groups
+            sel_TGX = sel_TE.view(num_tokens, groups, per_group)
+            group_TG = sel_TGX.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+            best_TG = group_TG.topk(cfg.topk_groups, dim=-1).indices
+            allowed_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+            sel_TE = sel_TE.masked_fill(~allowed_TG.repeat_interleave(per_group, dim=1), float("-inf"))
+        return sel_TE.topk(cfg.top_k, dim=-1).indices
+
+    @torch.no_grad()
+    def _update_bias(self, idx_TK: Tensor) -> None:
+        num_experts = self.config.num_experts
+        load_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts).float()
+        mean_load = idx_TK.numel() / num_experts
+        self.bias.add_(self.config.bias_update_rate * torch.sign(mean_load - load_E).to(self.bias.dtype))

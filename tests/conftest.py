@@ -1,0 +1,19 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# "ci" keeps the suite fast on 2 cores; "dev" runs many more examples: HYPOTHESIS_PROFILE=dev
+settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,215 @@
+"""Properties of the exact-balance assignment, against scipy's exact solvers."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy.optimize import linear_sum_assignment, linprog
+
+from moe.routing import assignment_score, balanced_assignment, balanced_assignment_ref, expert_capacities
+from moe.routing.balanced import _fill
+
+KINDS = ("gauss", "int", "one_expert", "huge", "tiny", "equal")
+
+
+def make_scores(seed: int, t: int, e: int, kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, e, generator=g, dtype=torch.float64)
+    if kind == "int":  # many exact ties
+        x = torch.randint(-2, 3, (t, e), generator=g).double()
+    elif kind == "one_expert":  # every token prefers expert 0
+        x[:, 0] += 10.0
+    elif kind == "huge":
+        x = x * 1e6
+    elif kind == "tiny":
+        x = x * 1e-6
+    elif kind == "equal":
+        x = torch.zeros(t, e, dtype=torch.float64)
+    return x
+
+
+def optimum(scores: torch.Tensor, k: int) -> float:
+    """Exact optimum: Hungarian on the expanded matrix for k = 1, the (integral) LP otherwise."""
+    t, e = scores.shape
+    cap = expert_capacities(t, e, k).numpy()
+    s = scores.double().numpy()
+    scale = float(np.abs(s).max()) or 1.0  # the LP solver's tolerances are absolute
+    s = s / scale
+    if k == 1:
+        cols = np.repeat(np.arange(e), cap)
+        m = s[:, cols]
+        r, c = linear_sum_assignment(m, maximize=True)
+        return float(m[r, c].sum()) * scale
+    a_rows = np.kron(np.eye(t), np.ones((1, e)))  # each token: k experts
+    a_cols = np.kron(np.ones((1, t)), np.eye(e))  # each expert: cap tokens
+    res = linprog(
+        -s.ravel(), A_eq=np.vstack([a_rows, a_cols]), b_eq=np.concatenate([np.full(t, k), cap]), bounds=(0, 1)
+    )
+    assert res.status == 0
+    return float(-res.fun) * scale
+
+
+def check_feasible(idx: torch.Tensor, t: int, e: int, k: int) -> None:
+    assert idx.shape == (t, k) and idx.dtype == torch.int64
+    assert ((idx >= 0) & (idx < e)).all()
+    assert (idx.sort(dim=1).values.diff(dim=1) != 0).all(), "a token got the same expert twice"
+    assert torch.equal(torch.bincount(idx.flatten(), minlength=e), expert_capacities(t, e, k))
+
+
+def greedy_with_capacity(scores: torch.Tensor) -> float:
+    """k = 1: pairs in decreasing score, taken while the token is free and the expert has room."""
+    t, e = scores.shape
+    room = expert_capacities(t, e, 1).tolist()
+    free = [True] * t
+    total = 0.0
+    for flat in torch.argsort(scores.flatten(), descending=True, stable=True).tolist():
+        i, j = divmod(flat, e)
+        if free[i] and room[j] > 0:
+            free[i], room[j] = False, room[j] - 1
+            total += float(scores[i, j])
+    return total
+
+
+problems = st.tuples(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 24),
+    st.integers(1, 8),
+    st.integers(1, 3),
+    st.sampled_from(KINDS),
+)
+
+
+def tolerance(scores: torch.Tensor, k: int) -> float:
+    # stated bound: T * K * eps * (score range), eps = 1e-6 by default, plus float round-off
+    rng = float(scores.max() - scores.min()) if scores.numel() else 0.0
+    return scores.shape[0] * k * 1e-6 * rng + 1e-9 * (1 + float(scores.abs().sum()))
+
+
+@given(problems)
+def test_balanced_feasible_and_optimal(problem):
+    seed, t, e, k, kind = problem
+    k = min(k, e)
+    scores = make_scores(seed, t, e, kind)
+    idx = balanced_assignment(scores, k)
+    check_feasible(idx, t, e, k)
+    opt = optimum(scores, k)
+    got = float(assignment_score(scores, idx))
+    assert got <= opt + tolerance(scores, k)
+    assert got >= opt - tolerance(scores, k)
+    if k == 1:
+        assert got >= greedy_with_capacity(scores) - tolerance(scores, k)
+
+
+@given(problems)
+def test_reference_is_optimal(problem):
+    seed, t, e, k, kind = problem
+    k = min(k, e)
+    scores = make_scores(seed, t, e, kind)
+    idx = balanced_assignment_ref(scores, k)
+    check_feasible(idx, t, e, k)
+    assert abs(float(assignment_score(scores, idx)) - optimum(scores, k)) <= tolerance(scores, k)
+
+
+@given(problems, st.floats(0.1, 100.0))
+def test_objective_invariances(problem, scale):
+    seed, t, e, k, kind = problem
+    k = min(k, e)
+    scores = make_scores(seed, t, e, kind)
+    base = float(assignment_score(scores, balanced_assignment(scores, k)))
+    g = torch.Generator().manual_seed(seed + 1)
+    tok_c = torch.randn(t, 1, generator=g, dtype=torch.float64) * 5
+    exp_c = torch.randn(1, e, generator=g, dtype=torch.float64) * 5
+    cap = expert_capacities(t, e, k).double()
+    cases = [
+        (scores + tok_c, base + k * float(tok_c.sum()), 1.0),  # per-token constant
+        (scores + exp_c, base + float((exp_c[0] * cap).sum()), 1.0),  # per-expert constant
+        (scores * scale, base * scale, scale),  # positive scaling
+        (scores[torch.randperm(t, generator=g)], base, 1.0),  # token permutation
+    ]
+    for moved, expected, factor in cases:
+        got = float(assignment_score(moved, balanced_assignment(moved, k)))
+        # both solves are within the stated bound of their optimum, each on its own input
+        assert abs(got - expected) <= tolerance(moved, k) + factor * tolerance(scores, k)
+    assert torch.equal(balanced_assignment(scores, k), balanced_assignment(scores.clone(), k))
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.integers(1, 6))
+def test_balanced_strict_argmax_is_kept(seed, e, per_expert):
+    g = torch.Generator().manual_seed(seed)
+    t = e * per_expert
+    target = torch.randperm(t, generator=g) % e  # each expert wanted by exactly T/E tokens
+    scores = torch.rand(t, e, generator=g)
+    scores[torch.arange(t), target] += 1.5  # strict argmax
+    assert torch.equal(balanced_assignment(scores, 1)[:, 0], target)
+
+
+def test_fairseq_tie_example_is_optimal():
+    scores = torch.tensor([[2.0, 0, 2], [0, 1, 0], [1, 2, 2]])
+    assert float(assignment_score(scores, balanced_assignment(scores))) == 5.0
+    assert float(assignment_score(scores, balanced_assignment_ref(scores))) == 5.0
+
+
+def test_capacity_rule_and_awkward_sizes():
+    assert expert_capacities(10, 4, 1).tolist() == [3, 3, 2, 2]
+    assert expert_capacities(3, 8, 2).tolist() == [1, 1, 1, 1, 1, 1, 0, 0]
+    for t, e, k in [(1, 1, 1), (1, 5, 1), (1, 5, 5), (3, 8, 2), (7, 3, 3), (37, 5, 2), (2, 64, 1)]:
+        idx = balanced_assignment(torch.randn(t, e), k)
+        check_feasible(idx, t, e, k)
+    assert balanced_assignment(torch.randn(0, 4), 2).shape == (0, 2)
+
+
+def test_ties_go_to_lowest_index():
+    assert balanced_assignment(torch.zeros(2, 2)).flatten().tolist() == [0, 1]
+    assert balanced_assignment(torch.zeros(4, 2)).flatten().tolist() == [0, 0, 1, 1]
+
+
+def test_larger_problem_matches_exact_optimum():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(512, 16, generator=g)
+    for k in (1, 2):
+        idx = balanced_assignment(scores, k)
+        check_feasible(idx, 512, 16, k)
+        assert float(assignment_score(scores, idx)) == pytest.approx(optimum(scores, k), rel=1e-6)
+
+
+def test_budget_exhausted_still_balanced():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(300, 7, generator=g)
+    scores[:, 2] += 3.0
+    for k in (1, 3):
+        idx = balanced_assignment(scores, k, max_iters=0, max_cycles=0)
+        check_feasible(idx, 300, 7, k)
+
+
+def test_fill_exchanges_when_every_open_expert_is_held():
+    # token 0 holds expert 0 and needs one more; only expert 0 has room: someone must move
+    scores = torch.zeros(3, 3)
+    out = torch.tensor([[0, -1], [1, 2], [1, 2]])
+    _fill(scores.T.contiguous(), out, expert_capacities(3, 3, 2))
+    check_feasible(out, 3, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "scores, k, match",
+    [
+        (torch.tensor([[0.0, float("nan")]]), 1, "finite"),
+        (torch.tensor([[0.0, float("inf")]]), 1, "finite"),
+        (torch.zeros(3), 1, r"shape \(T, E\)"),
+        (torch.zeros(2, 2, 2), 1, r"shape \(T, E\)"),
+        (torch.zeros(4, 3), 4, "k must be"),
+        (torch.zeros(4, 3), 0, "k must be"),
+        (torch.zeros(4, 0), 1, "E >= 1"),
+        (torch.zeros(4, 3, dtype=torch.int64), 1, "floating-point"),
+    ],
+)
+def test_bad_input_raises(scores, k, match):
+    with pytest.raises(ValueError, match=match):
+        balanced_assignment(scores, k)
+    with pytest.raises(ValueError, match=match):
+        balanced_assignment_ref(scores, k)
+
+
+def test_bad_options_raise():
+    with pytest.raises(ValueError, match="max_iters"):
+        balanced_assignment(torch.zeros(4, 2), max_iters=-1)

@@ -1,0 +1,73 @@
+"""BaseRouter: balanced in training, greedy in eval, gradient through the gate."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moe.routing import BaseRouter, RouterConfig, build_router, expert_capacities, router_z_loss
+
+
+def make(dim=12, experts=5, k=1, **kw):
+    torch.manual_seed(0)
+    return BaseRouter(RouterConfig(kind="base", dim=dim, num_experts=experts, top_k=k, **kw))
+
+
+@given(st.integers(0, 40), st.integers(1, 6), st.integers(1, 3), st.integers(0, 999))
+def test_training_is_exactly_balanced(t, e, k, seed):
+    k = min(k, e)
+    router = make(experts=e, k=k)
+    x = torch.randn(t, 12, generator=torch.Generator().manual_seed(seed))
+    res = router(x)
+    assert torch.equal(res.counts, expert_capacities(t, e, k))
+    assert res.expert_idx.shape == (t, k)
+    logits = x @ router.weight.detach().T
+    torch.testing.assert_close(res.weights, torch.sigmoid(logits.gather(1, res.expert_idx)))
+    assert res.stats.dropped_fraction == 0.0
+    if t:
+        assert res.stats.max_load <= (t * k // e + 1) / (t * k / e) + 1e-9
+
+
+def test_eval_is_greedy_top_k():
+    router = make(experts=4, k=2).eval()
+    x = torch.randn(30, 12)
+    x[:, :] += router.weight.detach()[0] * 50  # every token prefers expert 0: unbalanced on purpose
+    res = router(x)
+    logits = x @ router.weight.detach().T
+    assert torch.equal(res.expert_idx, logits.topk(2, dim=1).indices)
+    assert res.counts[0] == 30
+
+
+def test_centroids_learn_through_the_gate():
+    router = make()
+    x = torch.randn(20, 12)
+    res = router(x)
+    res.weights.sum().backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_bf16_input_routes_in_fp32():
+    router = make(experts=3)
+    res = router(torch.randn(9, 12, dtype=torch.bfloat16))
+    assert res.weights.dtype == torch.float32
+    assert torch.equal(res.counts, torch.tensor([3, 3, 3]))
+
+
+def test_z_loss_and_build_router():
+    cfg = RouterConfig(kind="base", dim=12, num_experts=5, z_loss_coef=0.1)
+    router = build_router(cfg)
+    assert isinstance(router, BaseRouter)
+    x = torch.randn(10, 12)
+    res = router(x)
+    torch.testing.assert_close(res.z_loss, 0.1 * router_z_loss(x @ router.weight.detach().T))
+    assert res.aux_loss.item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_bad_input_raises(mode):
+    router = make()
+    router.train(mode == "train")
+    with pytest.raises(ValueError, match="finite"):
+        router(torch.full((4, 12), float("nan")))
+    with pytest.raises(ValueError, match=r"x must have shape"):
+        router(torch.randn(4, 11))
