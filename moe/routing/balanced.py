@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .common import drop_by_score
-from .exchange import cancel_cycles, held_mask
+from .exchange import cancel_cycles, held_mask, violations
 
 __all__ = ["balanced_assignment", "balanced_assignment_ref", "expert_capacities", "assignment_score"]
 
@@ -111,15 +111,18 @@ def _margins(a_ET: Tensor, k: int) -> Tensor:
 
 
 def _jacobi_prices(s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, omega: float = 0.7) -> Tensor:
-    """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``.
+    """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
+    largest price move of the last update (a scalar tensor).
 
     Each update moves every expert's price to the value at which exactly ``target[e]`` tokens
     would pick it were the other prices fixed (the midpoint between two order statistics of
-    the margins), damped by ``omega``. Fractional targets interpolate. No host sync.
+    the margins), damped by ``omega``. Fractional targets interpolate. One host sync (to size
+    the order statistics), none inside the loop.
     """
     num_experts, num_tokens = s_ET.shape
+    last = s_ET.new_zeros(())
     if num_tokens == 0 or iters <= 0:
-        return p
+        return p, last
     qsize = min(num_tokens, int(target_E.max()) + 2)
     pos = (target_E - 0.5).clamp(0, num_tokens - 1)
     lo_i = pos.floor().long().clamp(max=qsize - 1)
@@ -128,18 +131,22 @@ def _jacobi_prices(s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor
     rows = torch.arange(num_experts, device=s_ET.device)
     for _ in range(iters):
         q = _margins(s_ET - p, k).topk(qsize, dim=1).values
-        step = q[rows, lo_i] * (1 - w) + q[rows, hi_i] * w
-        p = p + omega * step.clamp(-1.0, 1.0)[:, None]
-    return p
+        step = omega * (q[rows, lo_i] * (1 - w) + q[rows, hi_i] * w).clamp(-1.0, 1.0)
+        p = p + step[:, None]
+        last = step.abs().max()
+    return p, last
 
 
 def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int) -> Tensor:
     """Prices (E, 1) after ``max_iters`` damped Jacobi updates from zero.
 
-    (Coarse starts from strided token samples were tried and rejected: their sampling noise
-    leaves the prices further from the optimum than the all-zero start.)
+    Two shortcuts were measured and rejected: coarse starts from strided token samples (their
+    sampling noise leaves the prices further from the optimum than the all-zero start) and
+    freezing tokens far from any boundary after a few updates (on skewed scores the prices
+    still move far, and the frozen tokens then cost more exchange cycles than they saved).
     """
-    return _jacobi_prices(s_ET, cap_E.to(s_ET.dtype), k, max_iters, s_ET.new_zeros(s_ET.shape[0], 1))
+    p = s_ET.new_zeros(s_ET.shape[0], 1)
+    return _jacobi_prices(s_ET, cap_E.to(s_ET.dtype), k, max_iters, p)[0]
 
 
 def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor) -> Tensor:
@@ -157,18 +164,6 @@ def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor) -> Tensor:
     cap_ext = torch.cat([cap_E, cap_E.new_zeros(1)])
     keep = drop_by_score(expert, margin, num_experts + 1, cap_ext)
     return torch.where(keep, expert, -1).view(num_tokens, k)
-
-
-def _candidates(s_ET: Tensor, p: Tensor, out_TK: Tensor, band: float) -> Tensor:
-    """Tokens that may take part in an improving cycle under prices p: those with a slot still
-    open, or whose best expert not held is within ``band`` of their worst held one."""
-    num_experts = s_ET.shape[0]
-    a = s_ET - p
-    held = held_mask(out_TK, num_experts)
-    worst_held = a.masked_fill(~held, float("inf")).amin(dim=0)
-    best_free = a.masked_fill(held, float("-inf")).amax(dim=0)
-    near = (best_free - worst_held > -band) | (out_TK < 0).any(dim=1)
-    return torch.nonzero(near).flatten()
 
 
 def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> None:
@@ -198,11 +193,11 @@ def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> None:
     out[u, j] = d
 
 
-def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor) -> None:
+def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> None:
     """Complete a partial assignment in place, greedily: each pass gives every short token its
-    best expert with room (experts keep the best-scoring claimants); a pass that places nothing
-    (every expert with room already holds the short tokens) falls back to one exchange.
-    At most T * K passes; used only when the exchange-cycle budget ran out.
+    best expert with room under prices ``p`` (experts keep the claimants with the largest
+    margins); a pass that places nothing (every expert with room already holds the short
+    tokens) falls back to one exchange. At most T * K passes.
     """
     num_experts = s_ET.shape[0]
     while True:
@@ -213,7 +208,7 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor) -> None:
         deficit = cap_E - torch.bincount(out[out >= 0], minlength=num_experts)
         forbid = held_mask(out[short], num_experts) | (deficit <= 0)[:, None]
         sub = s_ET[:, short].masked_fill(forbid, _NEG)
-        pick = _select(sub, sub.new_zeros(num_experts, 1), 1, deficit)[:, 0]
+        pick = _select(sub, sub.new_zeros(num_experts, 1) if p is None else p, 1, deficit)[:, 0]
         placed = pick >= 0
         if not bool(placed.any()):
             _swap_in(s_ET, out, int(short[0]), deficit)
@@ -231,7 +226,7 @@ def balanced_assignment(
     scores_TE: Tensor,
     k: int = 1,
     *,
-    max_iters: int = 8,
+    max_iters: int = 6,
     eps: float = 1e-6,
     max_cycles: int = 256,
 ) -> Tensor:
@@ -273,7 +268,8 @@ def balanced_assignment(
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
         p = _prices(s, cap, k, max_iters)
         out = _select(s, p, k, cap)
-        cand = _candidates(s, p, out, band=0.02)
+        _fill(s, out, cap, p)
+        cand = violations(s, p, out, band=-0.005)  # tokens near a boundary under the prices
         cancel_cycles(s, out, cap, max_cycles=max_cycles, delta=eps, candidates=cand)
         _fill(s, out, cap)  # only does work if the cycle budget ran out first
     return out

@@ -37,7 +37,7 @@ class RouterConfig:
     sinkhorn_temperature: float = 1.0
 
     # BASE balanced assignment
-    base_max_iters: int = 8
+    base_max_iters: int = 6
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
