@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .common import drop_by_score
-from .exchange import cancel_cycles, held_mask, violations
+from .exchange import cancel_cycles, held_mask
 
 __all__ = ["balanced_assignment", "balanced_assignment_ref", "expert_capacities", "assignment_score"]
 
@@ -269,8 +269,7 @@ def balanced_assignment(
         p = _prices(s, cap, k, max_iters)
         out = _select(s, p, k, cap)
         _fill(s, out, cap, p)
-        cand = violations(s, p, out, band=-0.005)  # tokens near a boundary under the prices
-        cancel_cycles(s, out, cap, max_cycles=max_cycles, delta=eps, candidates=cand)
+        cancel_cycles(s, out, cap, max_cycles=max_cycles, delta=eps, prices_E=p, band=0.005)
         _fill(s, out, cap)  # only does work if the cycle budget ran out first
     return out
 

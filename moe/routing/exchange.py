@@ -144,19 +144,31 @@ def _parent_cycles(par: list[int]) -> list[list[int]]:
 
 
 def cancel_cycles(
-    s_ET: Tensor, out_TK: Tensor, cap_E: Tensor, *, max_cycles: int, delta: float, candidates: Tensor | None = None
+    s_ET: Tensor,
+    out_TK: Tensor,
+    cap_E: Tensor,
+    *,
+    max_cycles: int,
+    delta: float,
+    prices_E: Tensor | None = None,
+    band: float = 0.005,
 ) -> int:
     """Complete ``out`` (slots -1 are pooled) and improve it by positive cycles, in place.
 
-    Cycles are searched among the ``candidates`` tokens only (all tokens if None). When none is
-    left, the Bellman-Ford distances are prices that certify the candidates; every other token
-    is checked against them in one pass (`violations`), and any that fails joins the candidates.
+    Cycles are searched among candidate tokens: with ``prices`` given, those within ``band`` of
+    a boundary under them (`violations`), else all tokens. When no cycle is left, the
+    Bellman-Ford distances are prices that certify the candidates; every token is checked
+    against them in one pass, and if any fails, the candidates become the tokens within twice
+    the band of a boundary under those prices (the failing ones included) and the search goes on.
     Stops when all tokens pass (the assignment is then optimal up to ``delta`` per move) or after
     ``max_cycles`` cycles. Scores must lie in [-1, 0] (see `moe.routing.balanced`).
     Returns the number of cycles applied.
     """
     num_experts, num_tokens = s_ET.shape
-    tok = torch.arange(num_tokens, device=s_ET.device) if candidates is None else candidates
+    if prices_E is None:
+        tok = torch.arange(num_tokens, device=s_ET.device)
+    else:
+        tok = violations(s_ET, prices_E, out_TK, -band)
     pool_value = -float(num_experts + 2)  # below any path of real moves (each loses at most 1)
     graph = _Graph(s_ET, out_TK, tok, pool_value)
     applied = 0
@@ -164,11 +176,13 @@ def cancel_cycles(
         graph.set_room(cap_E - torch.bincount(out_TK[out_TK >= 0], minlength=num_experts))
         cycles, dist = _find_cycles(graph.gain, delta)
         if not cycles:
-            bad = violations(s_ET, dist[:num_experts], out_TK, delta)
-            grown = torch.unique(torch.cat([tok, bad]))  # sorted: lowest token index first on ties
-            if grown.numel() == tok.numel():  # every token passes (candidates pass by construction)
+            prices = dist[:num_experts]
+            bad = violations(s_ET, prices, out_TK, delta)
+            if torch.isin(bad, tok).all():  # every token passes (candidates pass by construction)
                 break
-            tok = grown
+            band *= 2  # grow geometrically: a few rebuilds at most
+            grown = torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)])
+            tok = torch.unique(grown)  # sorted: lowest token index first on ties
             graph = _Graph(s_ET, out_TK, tok, pool_value)
             continue
         moves = []
