@@ -63,7 +63,11 @@ def _check(scores: Tensor, k: int, name: str = "scores") -> None:
         raise ValueError(f"{name} must have E >= 1 experts (columns), got E = {num_experts}")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k > num_experts:
         raise ValueError(f"k must be an int in [1, E={num_experts}], got {k!r}")
-    if scores.numel() and not bool(torch.isfinite(scores).all()):  # host sync 1
+
+
+def _check_finite(largest: Tensor, scores: Tensor, name: str = "scores") -> None:
+    """``largest`` = max |scores|: NaN or Inf anywhere makes it non-finite (one host sync)."""
+    if not bool(torch.isfinite(largest)):
         raise ValueError(f"{name} must be finite: found NaN or Inf in a tensor of shape {tuple(scores.shape)}")
 
 
@@ -86,17 +90,19 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     Without the jitter, tokens with identical scores cannot be told apart by prices and each
     one costs an exchange later; with it, the objective moves by less than ``jitter`` per slot.
     """
-    s = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    s = scores.T.to(torch.promote_types(scores.dtype, torch.float32)).clone(memory_format=torch.contiguous_format)
     big = s.abs().amax()
-    s = s / torch.where(big > 0, big, 1.0)
-    s = s - s.amax(dim=1, keepdim=True)
+    _check_finite(big, scores)
+    s.div_(torch.where(big > 0, big, 1.0))  # in place on our own copy from here on
+    s.sub_(s.amax(dim=0))
     scale = -s.amin()
-    s = (s / torch.where(scale > 0, scale, 1.0)).T.contiguous()
-    num_experts, num_tokens = s.shape
-    t = torch.arange(num_tokens, device=s.device)
-    e = torch.arange(num_experts, device=s.device)[:, None]
-    hashed = (t * 0x9E3779B1 + e * 0x85EBCA77) & 0xFFFF  # a fixed integer hash of (t, e)
-    return s + hashed.to(s.dtype) * (jitter / 65536)
+    s.div_(torch.where(scale > 0, scale, 1.0))
+    if jitter > 0:  # frac(t * phi + e * psi): a fixed low-discrepancy pattern in [0, 1)
+        num_experts, num_tokens = s.shape
+        u = (torch.arange(num_tokens, device=s.device, dtype=torch.float64) * 0.6180339887498949).frac()
+        v = (torch.arange(num_experts, device=s.device, dtype=torch.float64) * 0.7548776662466927).frac()
+        s += (u.to(s.dtype) + v.to(s.dtype)[:, None]).frac_() * jitter
+    return s
 
 
 def _top_values(a_ET: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -209,21 +215,28 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int) -> Tensor:
     return _sparse_jacobi_prices(s_ET, cap_E, p, max_iters - 2, width)
 
 
-def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor) -> Tensor:
+def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor) -> tuple[Tensor, Tensor]:
     """Each token takes its K best experts under prices; a full expert keeps the tokens with the
     largest margins over their next choice (ties: lowest token index) and drops the rest.
 
-    Returns (T, K) expert indices, -1 where a slot was dropped or only forbidden experts remained.
+    Returns (T, K) expert indices, -1 where a slot was dropped or only forbidden experts
+    remained, and each token's margin (T,): how much better its K-th pick is than the next.
     """
     num_experts, num_tokens = s_ET.shape
-    vals, idx = _top_values(s_ET - p, k)
+    a = s_ET - p
+    if k == 1:  # fast path: no copy of the scores
+        best, idx = a.max(dim=0)  # first maximal index on ties
+        vals = torch.stack([best, a.masked_fill(a >= best, float("-inf")).amax(dim=0)])
+        idx = idx[None]
+    else:
+        vals, idx = _top_values(a, k)
     expert = idx[:k].T.reshape(-1)
-    margin = (vals[:k] - vals[k]).T.reshape(-1)
+    margin_TK = vals[:k] - vals[k]
     allowed = (s_ET.gather(0, idx[:k]) > _NEG / 2).T.reshape(-1)
     expert = torch.where(allowed, expert, num_experts)  # forbidden picks get a capacity-0 bin
     cap_ext = torch.cat([cap_E, cap_E.new_zeros(1)])
-    keep = drop_by_score(expert, margin, num_experts + 1, cap_ext)
-    return torch.where(keep, expert, -1).view(num_tokens, k)
+    keep = drop_by_score(expert, margin_TK.T.reshape(-1), num_experts + 1, cap_ext)
+    return torch.where(keep, expert, -1).view(num_tokens, k), margin_TK[k - 1]
 
 
 def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> None:
@@ -268,7 +281,7 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
         deficit = cap_E - torch.bincount(out[out >= 0], minlength=num_experts)
         forbid = held_mask(out[short], num_experts) | (deficit <= 0)[:, None]
         sub = s_ET[:, short].masked_fill(forbid, _NEG)
-        pick = _select(sub, sub.new_zeros(num_experts, 1) if p is None else p, 1, deficit)[:, 0]
+        pick = _select(sub, sub.new_zeros(num_experts, 1) if p is None else p, 1, deficit)[0][:, 0]
         placed = pick >= 0
         if not bool(placed.any()):
             _swap_in(s_ET, out, int(short[0]), deficit)
@@ -325,21 +338,24 @@ def balanced_assignment(
     if num_tokens == 0:
         return torch.empty(0, k, dtype=torch.int64, device=device)
     if k == num_experts:  # every token takes every expert
+        _check_finite(scores_TE.abs().amax(), scores_TE)
         return torch.arange(k, device=device).expand(num_tokens, k).clone()
     with torch.no_grad():
         s = _normalise(scores_TE, jitter=eps / 2)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
         p = _prices(s, cap, k, max_iters)
-        out = _select(s, p, k, cap)
+        out, margin = _select(s, p, k, cap)
         for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
             if int((out < 0).sum()) <= num_tokens * k // 100:
                 break
             p = _jacobi_prices(s, cap.to(s.dtype), k, max(max_iters, 2), p)[0]
-            out = _select(s, p, k, cap)
+            out, margin = _select(s, p, k, cap)
+        # candidates for exchange cycles: tokens near a boundary under p, and those refilled
+        near = (margin < 0.005) | (out < 0).any(dim=1)
         _fill(s, out, cap, p)
         budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
-        if not cancel_cycles(s, out, cap, max_cycles=budget, delta=delta, prices_E=p, band=0.005):
+        if not cancel_cycles(s, out, cap, max_cycles=budget, delta=delta, candidates=torch.nonzero(near).flatten()):
             warnings.warn(
                 f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
                 "optimality certificate passed; the assignment is balanced but may be suboptimal",

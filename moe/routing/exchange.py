@@ -140,13 +140,13 @@ def cancel_cycles(
     *,
     max_cycles: int,
     delta: float,
-    prices_E: Tensor | None = None,
+    candidates: Tensor | None = None,
     band: float = 0.005,
 ) -> bool:
     """Improve a complete balanced assignment ``out`` by positive exchange cycles, in place.
 
-    Cycles are searched among candidate tokens: with ``prices`` given, those within ``band`` of
-    a boundary under them (`violations`), else all tokens. When no cycle is left, the
+    Cycles are searched among the ``candidates`` (sorted token indices; all tokens if None),
+    typically the tokens within ``band`` of a boundary under some prices. When no cycle is left, the
     Bellman-Ford distances are prices that certify the candidates; every token is checked
     against them in one pass, and if any fails, the candidates become the tokens within twice
     the band of a boundary under those prices (the failing ones included) and the search goes on.
@@ -155,9 +155,7 @@ def cancel_cycles(
     """
     if bool((out_TK < 0).any()):
         raise ValueError("cancel_cycles needs a complete assignment (found slots of -1)")
-    num_tokens = s_ET.shape[1]
-    all_tok = torch.arange(num_tokens, device=s_ET.device)
-    tok = all_tok if prices_E is None else violations(s_ET, prices_E, out_TK, -band)
+    tok = torch.arange(s_ET.shape[1], device=s_ET.device) if candidates is None else candidates
     band = max(band, 1e-3)
     graph = _Graph(s_ET, out_TK, tok)
     applied = 0
