@@ -9,14 +9,13 @@ import torch
 from torch import Tensor, nn
 
 from .balanced import balanced_assignment
-from .common import check_seq_len, check_tokens, gate_logits, router_losses
-from .config import RouterConfig
+from .common import GatedRouter, check_seq_len, router_losses
 from .result import RoutingResult, routing_stats
 
 __all__ = ["BaseRouter"]
 
 
-class BaseRouter(nn.Module):
+class BaseRouter(GatedRouter):
     """Routes by token-centroid affinity s = x @ centroids.T (fp32).
 
     Training: `balanced_assignment` on s, so every expert gets exactly its share of the tokens.
@@ -25,12 +24,6 @@ class BaseRouter(nn.Module):
     centroids learn through the gate. With K = 1 the layer's ``sigmoid_residual`` combine gives
     BASE's ``alpha * expert(x) + (1 - alpha) * x``.
     """
-
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))  # (E, D) expert centroids
-        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # orthogonal centroids, small gain: distinct experts, gates start near sigmoid(0) = 0.5
@@ -43,9 +36,8 @@ class BaseRouter(nn.Module):
         its balance is exact by construction).
         """
         cfg = self.config
-        check_tokens(x_TD, cfg.dim)
+        logits_TE = self.logits(x_TD)  # (T, E) token-centroid affinities
         check_seq_len(cfg, seq_len, x_TD.shape[0])
-        logits_TE = gate_logits(x_TD, self.weight)
         if self.training:
             idx_TK = balanced_assignment(logits_TE.detach(), cfg.top_k, max_iters=cfg.base_max_iters)
         else:
@@ -58,6 +50,3 @@ class BaseRouter(nn.Module):
         return RoutingResult(
             expert_idx=idx_TK, weights=weights_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )
-
-    def extra_repr(self) -> str:
-        return f"dim={self.config.dim}, num_experts={self.config.num_experts}, top_k={self.config.top_k}"

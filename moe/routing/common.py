@@ -6,12 +6,12 @@ Legend: T tokens, D model dim, E experts, K expert slots per token, N = T*K slot
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .config import RouterConfig
 from .losses import load_balancing_loss, router_z_loss, sequence_load_balancing_loss
 
-__all__ = ["check_seq_len", "check_tokens", "drop_by_score", "gate_logits", "router_losses"]
+__all__ = ["GatedRouter", "check_seq_len", "check_tokens", "drop_by_score", "gate_logits", "router_losses"]
 
 
 def check_tokens(x_TD: Tensor, dim: int) -> None:
@@ -84,3 +84,25 @@ def drop_by_score(expert_idx_TK: Tensor, score_TK: Tensor, num_experts: int, cap
     cap = capacity[by_expert.values] if isinstance(capacity, Tensor) else capacity
     keep_N[slot_sorted] = rank < cap
     return keep_N.view_as(expert_idx_TK)
+
+
+class GatedRouter(nn.Module):
+    """What every router holds: its config and a gate weight (E, D), ``logits = x @ weight.T``."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))  # (E, D)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    def logits(self, x_TD: Tensor) -> Tensor:
+        """Checked input (T, D) -> fp32 logits (T, E)."""
+        check_tokens(x_TD, self.config.dim)
+        return gate_logits(x_TD, self.weight)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return f"dim={cfg.dim}, num_experts={cfg.num_experts}, top_k={cfg.top_k}"

@@ -8,10 +8,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .common import check_tokens, gate_logits
-from .config import RouterConfig
+from .common import GatedRouter
 from .losses import router_z_loss
 from .result import RoutingResult, routing_stats
 
@@ -24,7 +23,7 @@ def expert_choice_capacity(num_tokens: int, num_experts: int, k: int, capacity_f
     return min(num_tokens, math.ceil(cf * num_tokens * k / num_experts))
 
 
-class ExpertChoiceRouter(nn.Module):
+class ExpertChoiceRouter(GatedRouter):
     """Each expert takes its C best tokens; a token is taken by anywhere from 0 to E experts.
 
     - Scores: ``softmax`` over experts of the fp32 logits ``x @ weight.T``.
@@ -43,23 +42,13 @@ class ExpertChoiceRouter(nn.Module):
     Returned weights are fp32 whatever the input dtype.
     """
 
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-
     def forward(self, x_TD: Tensor, *, seq_len: int | None = None) -> RoutingResult:
         """Route ``x: (T, D)``. Returns a `RoutingResult` with ``expert_idx, weights: (T, E)`` and ``counts: (E,)``."""
         cfg = self.config
-        check_tokens(x_TD, cfg.dim)
         num_tokens, num_experts = x_TD.shape[0], cfg.num_experts
         capacity = expert_choice_capacity(num_tokens, num_experts, cfg.top_k, cfg.capacity_factor)
 
-        logits_TE = gate_logits(x_TD, self.weight)
+        logits_TE = self.logits(x_TD)
         probs_TE = logits_TE.softmax(dim=-1)
         token_EC = probs_TE.detach().T.topk(capacity, dim=-1).indices
         taken_ET = torch.zeros(num_experts, num_tokens, dtype=torch.bool, device=x_TD.device)

@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .common import check_seq_len, check_tokens, gate_logits, router_losses
-from .config import RouterConfig
+from .common import GatedRouter, check_seq_len, router_losses
 from .result import RoutingResult, routing_stats
 
 __all__ = ["SinkhornRouter", "sinkhorn"]
@@ -59,7 +58,7 @@ def sinkhorn(logits_TE: Tensor, iters: int, temperature: float = 1.0) -> Tensor:
     return log_k_TE + u_T1 + v_1E
 
 
-class SinkhornRouter(nn.Module):
+class SinkhornRouter(GatedRouter):
     """Token-choice router that balances by Sinkhorn in training (S-BASE, Megatron "sinkhorn").
 
     - Training: the chosen experts are the top-k of ``sinkhorn(logits, sinkhorn_iters,
@@ -77,26 +76,16 @@ class SinkhornRouter(nn.Module):
     Returned weights are fp32 whatever the input dtype.
     """
 
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-
     def forward(self, x_TD: Tensor, *, seq_len: int | None = None) -> RoutingResult:
         """Route ``x: (T, D)``; ``seq_len`` splits the T tokens into sequences for the sequence-wise loss.
 
         Returns a `RoutingResult` with ``expert_idx, weights: (T, K)`` and ``counts: (E,)``.
         """
         cfg = self.config
-        check_tokens(x_TD, cfg.dim)
+        logits_TE = self.logits(x_TD)  # checks x
         num_tokens, k, num_experts = x_TD.shape[0], cfg.top_k, cfg.num_experts
         check_seq_len(cfg, seq_len, num_tokens)
 
-        logits_TE = gate_logits(x_TD, self.weight)
         scores_TE = logits_TE.sigmoid() if k == 1 else logits_TE.softmax(dim=-1)
         if self.training:
             with torch.no_grad():

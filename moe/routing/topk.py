@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .common import check_seq_len, check_tokens, drop_by_score, gate_logits, router_losses
+from .common import GatedRouter, check_seq_len, drop_by_score, router_losses
 from .config import RouterConfig
 from .result import RoutingResult, routing_stats
 
@@ -19,7 +19,7 @@ __all__ = ["TopKRouter"]
 _TINY = torch.finfo(torch.float32).tiny  # keeps a renormalising division finite when every score underflowed
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(GatedRouter):
     """Each token picks its K best experts by score (token choice).
 
     - Scores: ``softmax`` or ``sigmoid`` of the fp32 logits ``x @ weight.T`` (``config.score_func``).
@@ -46,16 +46,14 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(self, config: RouterConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))
-        self.register_buffer("bias", torch.zeros(config.num_experts))
-        self.reset_parameters()
+        super().__init__(config)
+        self.register_buffer("bias", torch.zeros(config.num_experts))  # (E,) selection-only bias
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-        with torch.no_grad():
-            self.bias.zero_()
+        super().reset_parameters()
+        if getattr(self, "bias", None) is not None:  # registered after the first call, in __init__
+            with torch.no_grad():
+                self.bias.zero_()
 
     def forward(self, x_TD: Tensor, *, seq_len: int | None = None) -> RoutingResult:
         """Route ``x: (T, D)``; ``seq_len`` splits the T tokens into sequences for the sequence-wise loss.
@@ -63,11 +61,10 @@ class TopKRouter(nn.Module):
         Returns a `RoutingResult` with ``expert_idx, weights: (T, K)`` and ``counts: (E,)``.
         """
         cfg = self.config
-        check_tokens(x_TD, cfg.dim)
+        logits_TE = self.logits(x_TD)  # checks x
         num_tokens, k, num_experts = x_TD.shape[0], cfg.top_k, cfg.num_experts
         check_seq_len(cfg, seq_len, num_tokens)
 
-        logits_TE = gate_logits(x_TD, self.weight)
         scores_TE = logits_TE.softmax(dim=-1) if cfg.score_func == "softmax" else logits_TE.sigmoid()
         idx_TK = self._select(scores_TE.detach())
         gates_TK = scores_TE.gather(1, idx_TK)
