@@ -6,9 +6,12 @@
 
 Legend: T tokens, E experts, K experts per token. Each case draws a (T, E) score matrix, runs
 every method on it, and reports the median time over repeats, max_load / mean_load, dropped
-fraction at capacity factors 1.0 and 1.25, and the objective (sum of the chosen scores)
-relative to the exact balanced optimum (scipy, when small enough) and to the unconstrained
-top-k bound. Writes JSON, a markdown table and a PNG under --out.
+fraction at capacity factors 1.0 and 1.25, and the objective (sum of the chosen scores): its gap
+to the exact balanced optimum (scipy, when small enough) and its *quality* against the
+unconstrained top-k bound, (obj - random) / (bound - random), where random is the expected
+objective of a uniformly random choice (1 = as good as unconstrained top-k, 0 = no better than
+chance; unlike obj / bound it means the same whatever the sign of the scores). Writes JSON, a
+markdown table and a PNG under --out.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -99,6 +103,7 @@ def methods(k: int, sinkhorn_iters: int):
 def run_case(t: int, e: int, k: int, dist: str, repeats: int, sinkhorn_iters: int) -> list[dict]:
     scores = scores_for(dist, t, e)
     bound = float(scores.topk(k, dim=1).values.double().sum())
+    chance = float(scores.double().mean(dim=1).sum()) * k  # expected objective of a random choice
     exact = exact_optimum(scores, k)
     rows = []
     for name, fn in methods(k, sinkhorn_iters).items():
@@ -106,7 +111,8 @@ def run_case(t: int, e: int, k: int, dist: str, repeats: int, sinkhorn_iters: in
         obj = float(assignment_score(scores, idx))
         row = {"T": t, "E": e, "K": k, "dist": dist, "method": name, "ms": sec * 1e3}
         row.update(load_metrics(idx, e, t * k))
-        row["obj/bound"] = obj / bound if bound else float("nan")
+        slots = float((idx >= 0).sum()) / t  # mean slots per token (expert choice varies)
+        row["quality"] = (obj - chance * slots / k) / (bound - chance) if bound != chance else float("nan")
         if name == "base":
             row["exact_balance"] = bool(
                 torch.equal(torch.bincount(idx.flatten(), minlength=e), expert_capacities(t, e, k))
@@ -143,15 +149,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append("")
     lines += [
         "All routers side by side (max_load = max/mean tokens per expert; drop@cf = slots over a capacity of"
-        " cf x mean; obj/bound = chosen scores / unconstrained top-k scores):",
+        " cf x mean; quality = (obj - random) / (top-k bound - random), 1 = as good as unconstrained top-k):",
         "",
-        "| T | E | K | dist | method | ms | max_load | drop@1.0 | drop@1.25 | obj/bound |",
+        "| T | E | K | dist | method | ms | max_load | drop@1.0 | drop@1.25 | quality |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['T']} | {r['E']} | {r['K']} | {r['dist']} | {r['method']} | {r['ms']:.2f} | {r['max_load']:.3f} | "
-            f"{r['drop@1.0']:.3f} | {r['drop@1.25']:.3f} | {r['obj/bound']:.4f} |"
+            f"{r['drop@1.0']:.3f} | {r['drop@1.25']:.3f} | {r['quality']:.4f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -163,15 +169,26 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("base", "topk", "sinkhorn", "expert_choice"):
+    styles = {8: ":", 64: "--", 256: "-"}
+    for i, name in enumerate(("base", "topk", "sinkhorn", "expert_choice")):
+        color = f"C{i}"
         sel = sorted(
             (r for r in rows if r["method"] == name and r["dist"] == "gaussian" and r["K"] == 1), key=lambda r: r["T"]
         )
         for e in sorted({r["E"] for r in sel}):
             pts = [r for r in sel if r["E"] == e]
-            ax_t.plot([r["T"] for r in pts], [r["ms"] for r in pts], marker="o", label=f"{name} E={e}")
+            ax_t.plot(
+                [r["T"] for r in pts],
+                [r["ms"] for r in pts],
+                styles.get(e, "-"),
+                marker="o",
+                color=color,
+                label=f"{name} E={e}",
+            )
         sel = [r for r in rows if r["method"] == name]
-        ax_l.scatter([r["T"] * r["K"] / r["E"] for r in sel], [r["max_load"] for r in sel], label=name, s=12)
+        ax_l.scatter(
+            [r["T"] * r["K"] / r["E"] for r in sel], [r["max_load"] for r in sel], label=name, s=12, color=color
+        )
     ax_t.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="median ms", title="routing time (gaussian, K=1)")
     ax_l.set(xscale="log", yscale="log", xlabel="tokens per expert T*K/E", ylabel="max_load / mean", title="balance")
     ax_t.legend(fontsize=6)
@@ -187,7 +204,7 @@ def write_docs(md: str, png: Path, docs: Path) -> None:
         head, rest = text.split(DOC_BEGIN, 1)
         text = head + block + rest.split(DOC_END, 1)[1]
     else:
-        text = text.rstrip() + "\n\n## Routing\n\n" + block + "\n"
+        text = text.rstrip() + "\n\n" + block + "\n"
     docs.write_text(text)
 
 
@@ -215,8 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     for t, e, k, d in tqdm(cases, desc="routing cases"):
         rows.extend(run_case(t, e, k, d, repeats, args.sinkhorn_iters))
     meta = {
-        "command": "python -m benchmarks.routing" + (" --quick" if args.quick else ""),
-        "machine": f"{platform.machine()} {platform.processor() or ''} ({torch.get_num_threads()} threads)".strip(),
+        "command": " ".join(["python -m benchmarks.routing", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": f"{platform.machine()} CPU",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
