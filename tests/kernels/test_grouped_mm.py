@@ -1,0 +1,104 @@
+"""grouped_mm against its reference: forward and gradients, awkward shapes, fp32 and bf16."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moe.kernels import grouped_mm, grouped_mm_ref
+
+
+def random_counts(m: int, e: int, g: torch.Generator) -> torch.Tensor:
+    """E counts summing to M, some of them zero."""
+    if e == 1:
+        return torch.tensor([m])
+    cuts = torch.randint(0, m + 1, (e - 1,), generator=g).sort().values
+    return torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([m])]))
+
+
+def case(m, e, i, n, dtype, trans_w, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, i, generator=g).to(dtype).requires_grad_()
+    shape = (e, n, i) if trans_w else (e, i, n)
+    w = (torch.randn(*shape, generator=g) / i**0.5).to(dtype).requires_grad_()
+    return x, w, random_counts(m, e, g)
+
+
+def grads(fn, x, w, dy):
+    x.grad = w.grad = None
+    fn().backward(dy)
+    return x.grad.clone(), w.grad.clone()
+
+
+def error_vs_fp32(x, w, counts, trans_w, dtype):
+    """Max error of plain PyTorch in ``dtype`` against the fp32 reference (the tolerance policy)."""
+    exact = grouped_mm_ref(x.detach().float(), w.detach().float(), counts, trans_w=trans_w)
+    plain = grouped_mm_ref(x.detach(), w.detach(), counts, trans_w=trans_w)  # rounds like PyTorch in dtype
+    return exact, float((plain.float() - exact).abs().max()) if exact.numel() else 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize(
+    "m, e, i, n", [(0, 3, 24, 40), (1, 1, 24, 40), (37, 5, 100, 24), (37, 64, 40, 100), (64, 5, 24, 24)]
+)
+def test_forward_and_backward_match_reference(m, e, i, n, dtype, trans_w):
+    x, w, counts = case(m, e, i, n, dtype, trans_w)
+    y = grouped_mm(x, w, counts, trans_w=trans_w)
+    assert y.shape == (m, n) and y.dtype == dtype
+    exact, plain_err = error_vs_fp32(x, w, counts, trans_w, dtype)
+    if m:
+        assert float((y.detach().float() - exact).abs().max()) <= 2 * plain_err + 1e-5
+    dy = torch.randn(m, n).to(dtype)
+    gx, gw = grads(lambda: grouped_mm(x, w, counts, trans_w=trans_w), x, w, dy)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    rx, rw = grads(lambda: grouped_mm_ref(x32, w32, counts, trans_w=trans_w), x32, w32, dy.float())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(gx.float(), rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(gw.float(), rw, rtol=tol, atol=tol)
+    empty = (counts == 0).nonzero().flatten()
+    assert torch.isfinite(gw).all() and (gw[empty] == 0).all()
+
+
+@given(st.integers(0, 40), st.integers(1, 6), st.integers(0, 10**6))
+def test_equals_per_row_loop_and_splits(m, e, seed):
+    x, w, counts = case(m, e, 8, 12, torch.float64, False, seed)
+    x, w = x.detach(), w.detach()
+    y = grouped_mm(x, w, counts)
+    expert_of_row = torch.repeat_interleave(torch.arange(e), counts)
+    for r in range(m):
+        torch.testing.assert_close(y[r], x[r] @ w[expert_of_row[r]])
+    # splitting one expert's rows over two calls gives the same rows
+    offs = [0, *counts.cumsum(0).tolist()]
+    for ex in range(e):
+        a, b = offs[ex], offs[ex + 1]
+        h = (a + b) // 2
+        only = torch.zeros(e, dtype=torch.int64)
+        first = grouped_mm(x[a:h], w, only.index_fill(0, torch.tensor([ex]), h - a))
+        second = grouped_mm(x[h:b], w, only.index_fill(0, torch.tensor([ex]), b - h))
+        torch.testing.assert_close(torch.cat([first, second]), y[a:b])
+
+
+def test_out_dtype_and_backends_agree():
+    x, w, counts = case(30, 4, 16, 8, torch.float32, False)
+    y32 = grouped_mm(x, w, counts, backend="torch")
+    torch.testing.assert_close(grouped_mm(x, w, counts, backend="ref"), y32)
+    assert grouped_mm(x.bfloat16(), w.bfloat16(), counts, out_dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"backend": "cuda"}, "backend"),
+        ({"counts": torch.tensor([10, 10, 10])}, "counts must have one entry"),
+        ({"counts": torch.tensor([10, 10, 5, 4])}, "sum to the M"),
+        ({"counts": torch.tensor([10.0, 10, 5, 5])}, "integer"),
+        ({"x": torch.randn(30, 15)}, "inner dim"),
+        ({"w": torch.randn(4, 16, 8, dtype=torch.float64)}, "dtype"),
+    ],
+)
+def test_bad_input_raises(kwargs, match):
+    x, w, counts = case(30, 4, 16, 8, torch.float32, False)
+    args = {"x": x, "w": w, "counts": counts, "backend": "auto"} | kwargs
+    with pytest.raises(ValueError, match=match):
+        grouped_mm(args["x"], args["w"], args["counts"], backend=args["backend"])

@@ -1,0 +1,81 @@
+"""permute / unpermute against the references; identity and gradient properties."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moe.kernels import permute, permute_ref, unpermute, unpermute_ref
+
+
+def routing(t, e, k, seed, drop=0.2):
+    g = torch.Generator().manual_seed(seed)
+    idx = (
+        torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        if t
+        else torch.zeros(0, k, dtype=torch.int64)
+    )
+    idx = torch.where(torch.rand(t, k, generator=g) < drop, -1, idx)
+    return idx, torch.rand(t, k, generator=g)
+
+
+@given(st.integers(0, 30), st.integers(1, 9), st.integers(1, 3), st.integers(0, 10**6))
+def test_matches_reference_exactly(t, e, k, seed):
+    k = min(k, e)
+    idx, weights = routing(t, e, k, seed)
+    x = torch.randn(t, 5, generator=torch.Generator().manual_seed(seed))
+    xs, info = permute(x, idx, num_experts=e)
+    ref_x, ref_slot, ref_counts = permute_ref(x, idx, e)
+    assert torch.equal(info.slot, ref_slot) and torch.equal(info.counts, ref_counts)
+    assert torch.equal(xs, ref_x)
+    assert torch.equal(info.offsets, torch.cat([torch.zeros(1, dtype=torch.int64), ref_counts.cumsum(0)]))
+    y = torch.randn(xs.shape[0], 5)
+    torch.testing.assert_close(unpermute(y, info, weights), unpermute_ref(y, info.slot, weights))
+
+
+@given(st.integers(1, 30), st.integers(1, 9), st.integers(1, 3), st.integers(0, 10**6))
+def test_permute_then_unpermute_with_unit_weights_is_identity(t, e, k, seed):
+    k = min(k, e)
+    idx, _ = routing(t, e, k, seed, drop=0.0)
+    x = torch.randn(t, 4, dtype=torch.float64)
+    xs, info = permute(x, idx, num_experts=e)
+    torch.testing.assert_close(unpermute(xs, info, torch.ones(t, k, dtype=torch.float64) / k), x)
+
+
+def test_gradients():
+    idx, weights = routing(12, 5, 2, 0)
+    x = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
+    w = weights.double().requires_grad_()
+    xs, info = permute(x, idx, num_experts=5)
+    y = xs * torch.linspace(0.5, 2, xs.shape[0], dtype=torch.float64)[:, None]  # any per-row function
+    out = unpermute(y, info, w)
+    torch.autograd.gradcheck(lambda x_, w_: unpermute(permute(x_, idx, num_experts=5)[0] * 2.0, info, w_), (x, w))
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    # d weights[t, j] = <dy[t], y[row of slot t*K+j]>; dropped slots get zero
+    expect = torch.zeros(12 * 2, dtype=torch.float64)
+    expect[info.slot] = (dy[info.token] * y.detach()).sum(1)
+    torch.testing.assert_close(w.grad.reshape(-1), expect)
+
+
+def test_bf16_and_dropped_tokens():
+    idx = torch.tensor([[0, -1], [-1, -1], [1, 0]])
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    xs, info = permute(x, idx, num_experts=3)
+    assert info.counts.tolist() == [2, 1, 0] and info.token.tolist() == [0, 2, 2]
+    out = unpermute(xs, info, torch.ones(3, 2))
+    assert out.dtype == torch.bfloat16 and (out[1] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "idx, match",
+    [
+        (torch.tensor([[0], [3]]), r"\[-1, 3\)"),
+        (torch.tensor([[0], [-2]]), r"\[-1, 3\)"),
+        (torch.tensor([[0.0], [1.0]]), "int64"),
+        (torch.tensor([[0]]), "T=2"),
+    ],
+)
+def test_bad_input_raises(idx, match):
+    with pytest.raises(ValueError, match=match):
+        permute(torch.randn(2, 4), idx, num_experts=3)
