@@ -1,8 +1,12 @@
 import os
 
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+# Triton kernels run on CPU through Triton's interpreter; it must be chosen before triton loads.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # "ci" keeps the suite fast on 2 cores; "dev" runs many more examples: HYPOTHESIS_PROFILE=dev
 settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

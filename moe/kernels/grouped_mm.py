@@ -18,7 +18,7 @@ from .reference import grouped_mm_ref
 
 __all__ = ["BACKENDS", "grouped_mm"]
 
-BACKENDS = ("auto", "torch", "ref")  # "auto" is the per-expert torch loop until kernels land
+BACKENDS = ("auto", "triton", "torch", "ref")
 
 
 def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend: str) -> None:
@@ -61,14 +61,24 @@ def grouped_mm(
         w_EIN: (E, I, N) weights, or (E, N, I) with ``trans_w`` (used transposed, no copy).
         counts_E: (E,) rows per expert, summing to M; experts may have none.
         out_dtype: result dtype (default x's). fp32, bf16 and fp16 accumulate in fp32.
-        backend: "auto" (the torch loop for now), "torch" (one matmul per expert over
-            contiguous slices, faster on CPU than ``torch._grouped_mm`` at E=8, I=512, N=1408)
-            or "ref" (`grouped_mm_ref`). Anything else raises ValueError.
+        backend: "triton" (the kernels of `triton_grouped_mm`: CUDA, or CPU under
+            ``TRITON_INTERPRET=1``), "torch" (one matmul per expert over contiguous slices,
+            faster on CPU than ``torch._grouped_mm`` at E=8, I=512, N=1408), "ref"
+            (`grouped_mm_ref`), or "auto" (triton on CUDA, torch elsewhere). A backend that
+            cannot run here raises ValueError; nothing falls back silently.
 
-    One host sync to read the counts.
+    One host sync to check the counts (and, for torch, to split by them).
     """
     _check(x_MI, w_EIN, counts_E, trans_w, backend)
     out_dtype = out_dtype or x_MI.dtype
+    if backend == "auto":
+        backend = "triton" if x_MI.device.type == "cuda" else "torch"
+    if backend == "triton":
+        from .triton_grouped_mm import triton_available, triton_grouped_mm  # needs triton (Linux)
+
+        if not triton_available(x_MI.device):
+            raise ValueError(f"backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 on CPU, got {x_MI.device}")
+        return triton_grouped_mm(x_MI, w_EIN, counts_E, trans_w, out_dtype)
     if backend == "ref":
         return grouped_mm_ref(x_MI, w_EIN, counts_E, trans_w=trans_w).to(out_dtype)
     # half precision on CPU: multiply in fp32 so the sums accumulate in fp32

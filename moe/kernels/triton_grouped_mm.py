@@ -1,0 +1,185 @@
+"""Triton grouped GEMM: forward, dgrad and wgrad over rows sorted by expert.
+
+Legend: M rows, I inner (contraction) dim, N output dim, E experts, BM/BI/BN/BK tile sizes.
+
+Forward (and dgrad, which is the forward with the weight transposed):
+    y[rows of e] = x[rows of e] @ w[e]          x (M, I), w (E, I, N) by strides, y (M, N)
+  One program per (row tile, column tile). Row tiles never straddle two experts: a host-built
+  schedule lists, for every expert, its tiles of BM rows (tile_expert, tile_row). Each program
+  loops over I in BK steps, accumulating in fp32, and masks the ragged edges of M, I and N.
+wgrad:
+    dw[e] = x[rows of e].T @ dy[rows of e]      (I, N) per expert
+  One program per (expert, I tile, N tile), looping over that expert's rows in BM steps; an
+  expert with no rows writes zeros.
+
+Triton's CPU interpreter multiplies bf16 operands of tl.dot wrongly (it uses their raw bits) and
+truncates fp32 -> bf16 stores, so under ``TRITON_INTERPRET=1`` the operands are upcast to fp32
+first (constexpr UPCAST) and the kernels write fp32, which torch then rounds to the result dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["triton_available", "triton_grouped_mm"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton kernels run on CUDA devices, and on CPU under Triton's interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and _INTERPRET)
+
+
+@triton.jit
+def _fwd_kernel(
+    x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr,
+    I, N,
+    stride_xm, stride_xi, stride_we, stride_wi, stride_wn, stride_ym, stride_yn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(row_end_ptr + e)
+    rows = row0 + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xi,
+            mask=(rows[:, None] < row_end) & (ks[None, :] < I),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + e * stride_we + ks[:, None] * stride_wi + cols[None, :] * stride_wn,
+            mask=(ks[:, None] < I) & (cols[None, :] < N),
+            other=0.0,
+        )
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)
+    tl.store(
+        y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rows[:, None] < row_end) & (cols[None, :] < N),
+    )
+
+
+@triton.jit
+def _wgrad_kernel(
+    x_ptr, dy_ptr, dw_ptr, offs_ptr,
+    I, N,
+    stride_xm, stride_xi, stride_dym, stride_dyn, stride_dwe, stride_dwi, stride_dwn,
+    BM: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0)
+    ii = tl.program_id(1) * BI + tl.arange(0, BI)
+    cols = tl.program_id(2) * BN + tl.arange(0, BN)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
+    acc = tl.zeros((BI, BN), dtype=tl.float32)
+    for m0 in range(start, end, BM):
+        ms = m0 + tl.arange(0, BM)
+        a = tl.load(
+            x_ptr + ms[None, :] * stride_xm + ii[:, None] * stride_xi,
+            mask=(ms[None, :] < end) & (ii[:, None] < I),
+            other=0.0,
+        )
+        b = tl.load(
+            dy_ptr + ms[:, None] * stride_dym + cols[None, :] * stride_dyn,
+            mask=(ms[:, None] < end) & (cols[None, :] < N),
+            other=0.0,
+        )
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)
+    tl.store(
+        dw_ptr + e * stride_dwe + ii[:, None] * stride_dwi + cols[None, :] * stride_dwn,
+        acc.to(dw_ptr.dtype.element_ty),
+        mask=(ii[:, None] < I) & (cols[None, :] < N),
+    )
+
+
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int]:
+    if _INTERPRET:  # small tiles keep the interpreter quick
+        return 16, 16, 16
+    return (64, 128, 64) if dtype != torch.float32 else (64, 64, 32)
+
+
+def _schedule(counts_E: Tensor, bm: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Row tiles of at most BM rows that never straddle two experts: expert, first row, and
+    each expert's end row."""
+    ends = torch.cumsum(counts_E, 0)
+    starts = ends - counts_E
+    tiles = (counts_E + bm - 1) // bm
+    tile_expert = torch.repeat_interleave(torch.arange(counts_E.numel(), device=counts_E.device), tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    within = torch.arange(tile_expert.numel(), device=counts_E.device) - first_tile[tile_expert]
+    return tile_expert.to(torch.int32), (starts[tile_expert] + within * bm).to(torch.int32), ends.to(torch.int32)
+
+
+def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, out_dtype: torch.dtype) -> Tensor:
+    m, i = x_MI.shape
+    # view w as (E, I, N) through strides: no copy for the transposed layout
+    n = w.shape[1] if trans_w else w.shape[2]
+    s_we, s_wi, s_wn = (w.stride(0), w.stride(2), w.stride(1)) if trans_w else w.stride()
+    y = torch.empty(m, n, device=x_MI.device, dtype=torch.float32 if _INTERPRET else out_dtype)
+    if m == 0 or n == 0:
+        return y.to(out_dtype)
+    bm, bn, bk = _blocks(x_MI.dtype)
+    tile_expert, tile_row, row_end = _schedule(counts_E, bm)
+    grid = (tile_expert.numel(), triton.cdiv(n, bn))
+    _fwd_kernel[grid](
+        x_MI, w, y, tile_expert, tile_row, row_end, i, n,
+        x_MI.stride(0), x_MI.stride(1), s_we, s_wi, s_wn, y.stride(0), y.stride(1),
+        BM=bm, BN=bn, BK=bk, UPCAST=_INTERPRET,
+    )  # fmt: skip
+    return y.to(out_dtype)
+
+
+def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, w_shape: torch.Size, trans_w: bool, dtype) -> Tensor:
+    e, i, n = counts_E.numel(), x_MI.shape[1], dy_MN.shape[1]
+    dw = torch.empty(w_shape, device=x_MI.device, dtype=torch.float32 if _INTERPRET else dtype)
+    s_de, s_di, s_dn = (dw.stride(0), dw.stride(2), dw.stride(1)) if trans_w else dw.stride()
+    offs = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)]).to(torch.int32)
+    bm, bn, bk = _blocks(x_MI.dtype)
+    grid = (e, triton.cdiv(i, bk), triton.cdiv(n, bn))
+    _wgrad_kernel[grid](
+        x_MI, dy_MN, dw, offs, i, n,
+        x_MI.stride(0), x_MI.stride(1), dy_MN.stride(0), dy_MN.stride(1), s_de, s_di, s_dn,
+        BM=bm, BI=bk, BN=bn, UPCAST=_INTERPRET,
+    )  # fmt: skip
+    return dw.to(dtype)
+
+
+class _TritonGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MI, w, counts_E, trans_w, out_dtype):
+        ctx.save_for_backward(x_MI, w, counts_E)
+        ctx.trans_w = trans_w
+        return _forward(x_MI, w, counts_E, trans_w, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MI, w, counts_E = ctx.saved_tensors
+        dy_MN = dy_MN.to(x_MI.dtype).contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # dX = dY @ w[e].T: the forward with the weight transposed
+            dx = _forward(dy_MN, w, counts_E, not ctx.trans_w, x_MI.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(x_MI, dy_MN, counts_E, w.shape, ctx.trans_w, w.dtype)
+        return dx, dw, None, None, None
+
+
+def triton_grouped_mm(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, out_dtype: torch.dtype) -> Tensor:
+    """`moe.kernels.grouped_mm` on the Triton kernels (inputs already checked)."""
+    return _TritonGroupedMM.apply(x_MI.contiguous(), w, counts_E.to(torch.int64), trans_w, out_dtype)
