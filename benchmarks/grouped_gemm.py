@@ -1,0 +1,174 @@
+"""Grouped-GEMM benchmark: our kernels against torch._grouped_mm, a per-expert loop and one
+dense GEMM of the same FLOPs (the practical ceiling), forward and forward + backward.
+
+    python -m benchmarks.grouped_gemm            # GPU: full shapes; CPU: shapes scaled down
+    python -m benchmarks.grouped_gemm --docs     # also rewrite its section of docs/benchmarks.md
+
+Legend: M rows (tokens * k), I inner dim, N output dim, E experts. Shapes: the Mixtral 8x7B
+expert up-projection (E=8, I=4096, N=14336, k=2) and DeepSeek-V3's local experts (E=32, I=7168,
+N=2048, k=8), 16k tokens, with uniform counts and skewed ones (one expert at 4x the mean, a
+quarter of the experts empty). Reports median ms, TFLOP/s and the ratio to the dense GEMM.
+Writes JSON and markdown under --out ($OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moe.kernels import grouped_mm
+
+SHAPES = {"mixtral-8x7b": dict(E=8, I=4096, N=14336, k=2), "deepseek-v3": dict(E=32, I=7168, N=2048, k=8)}
+TOKENS = 16384
+DOC_BEGIN, DOC_END = "<!-- grouped-gemm:begin -->", "<!-- grouped-gemm:end -->"
+
+
+def make_counts(m: int, e: int, skewed: bool) -> torch.Tensor:
+    if not skewed:
+        return torch.full((e,), m // e, dtype=torch.int64) + (torch.arange(e) < m % e)
+    share = torch.ones(e)
+    share[: max(1, e // 4)] = 0.0  # a quarter of the experts get nothing
+    share[-1] = 4.0  # one expert gets 4x the mean of the others
+    counts = (share / share.sum() * m).floor().long()
+    counts[-1] += m - counts.sum()
+    return counts
+
+
+def timed(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(fn, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, repeats: int, sync) -> tuple[float, float]:
+    """Median seconds of fn forward, and of forward + backward into x and w."""
+    fwd = timed(lambda: fn(x, w, counts), repeats, sync)
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    dy = torch.randn(x.shape[0], fn(x, w, counts).shape[1], device=x.device, dtype=x.dtype)
+    return fwd, timed(lambda: fn(xg, wg, counts).backward(dy), repeats, sync)
+
+
+def methods(device: torch.device) -> dict:
+    out = {"loop": lambda x, w, c: grouped_mm(x, w, c, backend="torch")}
+    if hasattr(torch, "_grouped_mm"):
+        out["torch._grouped_mm"] = lambda x, w, c: torch._grouped_mm(x, w, offs=torch.cumsum(c, 0).to(torch.int32))
+    if device.type == "cuda":
+        out = {"triton": lambda x, w, c: grouped_mm(x, w, c, backend="triton"), **out}
+        try:
+            from megablocks import grouped_gemm as mb  # optional peer, GPU only
+
+            out["megablocks"] = lambda x, w, c: mb.gmm(x, w, c.cpu())
+        except ImportError:
+            pass
+    return out
+
+
+def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) -> list[dict]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for name, sh in SHAPES.items():
+        e, i, n = sh["E"], max(16, int(sh["I"] * scale)), max(16, int(sh["N"] * scale))
+        m = max(e, int(TOKENS * sh["k"] * scale))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(m, i, generator=g).to(device, dtype)
+        w = (torch.randn(e, i, n, generator=g) / i**0.5).to(device, dtype)
+        flops = 2 * m * i * n
+        for skewed in (False, True):
+            counts = make_counts(m, e, skewed).to(device)
+            cases = {**methods(device), "dense (same FLOPs)": lambda x, w, c: x @ w[0]}
+            dense_fwd = dense_bwd = None
+            for meth, fn in cases.items():
+                try:
+                    fwd, fb = measure(fn, x, w, counts, repeats, sync)
+                except (RuntimeError, NotImplementedError) as err:  # e.g. a dtype a peer lacks
+                    print(f"skip {meth} on {name}: {err}", file=sys.stderr)
+                    continue
+                if meth.startswith("dense"):
+                    dense_fwd, dense_bwd = fwd, fb
+                rows.append(
+                    dict(shape=name, M=m, I=i, N=n, E=e, counts="skewed" if skewed else "uniform", method=meth,
+                         fwd_ms=fwd * 1e3, fwd_tflops=flops / fwd / 1e12, fwdbwd_ms=fb * 1e3,
+                         fwdbwd_tflops=3 * flops / fb / 1e12)
+                )  # fmt: skip
+            for r in rows:
+                if r["shape"] == name and r["counts"] == ("skewed" if skewed else "uniform") and dense_fwd:
+                    r["fwd_vs_dense"] = dense_fwd * 1e3 / r["fwd_ms"]
+                    r["fwdbwd_vs_dense"] = dense_bwd * 1e3 / r["fwdbwd_ms"]
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"Command: `{meta['command']}` on {meta['machine']}, {meta['date']}, {meta['dtype']}, shapes scaled by "
+        f"{meta['scale']} (M, I, N). Median of {meta['repeats']} repeats. x dense = time of one dense GEMM with the "
+        "same FLOPs / time of the method (1.0 = the dense ceiling).",
+        "",
+        "| shape | M x I x N | counts | method | fwd ms | fwd TFLOP/s | fwd x dense | fwd+bwd ms | fwd+bwd x dense |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['M']} x {r['I']} x {r['N']} | {r['counts']} | {r['method']} | {r['fwd_ms']:.2f} | "
+            f"{r['fwd_tflops']:.3f} | {r.get('fwd_vs_dense', float('nan')):.2f} | {r['fwdbwd_ms']:.2f} | "
+            f"{r.get('fwdbwd_vs_dense', float('nan')):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(md: str, docs: Path) -> None:
+    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    block = f"{DOC_BEGIN}\n{md}{DOC_END}"
+    if DOC_BEGIN in text:
+        head, rest = text.split(DOC_BEGIN, 1)
+        text = head + block + rest.split(DOC_END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n## Grouped GEMM\n\n`python -m benchmarks.grouped_gemm`\n\n" + block + "\n"
+    docs.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--scale", type=float, default=None, help="shape scale (default 1 on GPU, 1/8 on CPU)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/grouped_gemm")))
+    ap.add_argument("--docs", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    scale = args.scale or (1.0 if device.type == "cuda" else 0.125)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    rows = run(scale, dtype, device, args.repeats)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "x86_64 CPU"
+    meta = {
+        "command": " ".join(["python -m benchmarks.grouped_gemm", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": f"{machine} ({torch.get_num_threads()} torch threads, torch {torch.__version__})",
+        "date": time.strftime("%Y-%m-%d"),
+        "dtype": str(dtype).replace("torch.", ""),
+        "scale": scale,
+        "repeats": args.repeats,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "grouped_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = markdown(rows, meta)
+    (args.out / "grouped_gemm.md").write_text(md)
+    print(md)
+    if args.docs:
+        write_docs(md, Path("docs/benchmarks.md"))
+
+
+if __name__ == "__main__":
+    main()
