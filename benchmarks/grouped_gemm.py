@@ -62,11 +62,14 @@ def measure(fn, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, repeats:
 
 
 def methods(device: torch.device) -> dict:
-    out = {"loop": lambda x, w, c: grouped_mm(x, w, c, backend="torch")}
+    out = {
+        "ours (torch backend)": lambda x, w, c: grouped_mm(x, w, c, backend="torch"),
+        "per-expert loop": lambda x, w, c: torch.cat([x_e @ w[e] for e, x_e in enumerate(x.split(c.tolist()))]),
+    }
     if hasattr(torch, "_grouped_mm"):
         out["torch._grouped_mm"] = lambda x, w, c: torch._grouped_mm(x, w, offs=torch.cumsum(c, 0).to(torch.int32))
     if device.type == "cuda":
-        out = {"triton": lambda x, w, c: grouped_mm(x, w, c, backend="triton"), **out}
+        out = {"ours (triton)": lambda x, w, c: grouped_mm(x, w, c, backend="triton"), **out}
         try:
             from megablocks import grouped_gemm as mb  # optional peer, GPU only
 

@@ -45,6 +45,47 @@ def _describe(t: object) -> str:
     return f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
 
 
+class _GroupedMMCPU(torch.autograd.Function):
+    """``torch._grouped_mm`` with its backward written out: the built-in CPU backward rejects a
+    non-contiguous output gradient (e.g. from ``y.sum()``), so the gradient is made contiguous
+    here. dX = dY @ w[e].T and dW[e] = X_e.T @ dY_e are grouped matmuls too."""
+
+    @staticmethod
+    def forward(ctx, x_MI, w, counts_E, trans_w):
+        offs = torch.cumsum(counts_E, 0).to(torch.int32)
+        ctx.save_for_backward(x_MI, w, offs)
+        ctx.trans_w = trans_w
+        return torch._grouped_mm(x_MI, w.transpose(1, 2) if trans_w else w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MI, w, offs = ctx.saved_tensors
+        w_EIN = w.transpose(1, 2) if ctx.trans_w else w
+        dy_MN = dy_MN.to(x_MI.dtype).contiguous()
+        dx = torch._grouped_mm(dy_MN, w_EIN.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=offs)
+            dw = (dw_EIN.transpose(1, 2) if ctx.trans_w else dw_EIN).contiguous()
+        return dx, dw, None, None
+
+
+def _use_grouped_mm_cpu(x_MI: Tensor, n_out: int) -> bool:
+    # measured faster than the per-expert loop on CPU (docs/benchmarks.md); it has no fp64
+    # kernel and needs rows whose byte strides are multiples of 16
+    size = x_MI.element_size()
+    return (
+        x_MI.device.type == "cpu"
+        and hasattr(torch, "_grouped_mm")
+        and x_MI.dtype in _GROUPED_MM_DTYPES
+        and (x_MI.shape[1] * size) % 16 == 0
+        and (n_out * size) % 16 == 0
+    )
+
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def grouped_mm(
     x_MI: Tensor,
     w_EIN: Tensor,
@@ -62,8 +103,8 @@ def grouped_mm(
         counts_E: (E,) rows per expert, summing to M; experts may have none.
         out_dtype: result dtype (default x's). fp32, bf16 and fp16 accumulate in fp32.
         backend: "triton" (the kernels of `triton_grouped_mm`: CUDA, or CPU under
-            ``TRITON_INTERPRET=1``), "torch" (one matmul per expert over contiguous slices,
-            autograd for the backward), "ref"
+            ``TRITON_INTERPRET=1``), "torch" (``torch._grouped_mm`` on CPU for fp32/bf16/fp16,
+            else one matmul per expert over contiguous slices), "ref"
             (`grouped_mm_ref`), or "auto" (triton on CUDA, torch elsewhere). A backend that
             cannot run here raises ValueError; nothing falls back silently.
 
@@ -81,6 +122,8 @@ def grouped_mm(
         return triton_grouped_mm(x_MI, w_EIN, counts_E, trans_w, out_dtype)
     if backend == "ref":
         return grouped_mm_ref(x_MI, w_EIN, counts_E, trans_w=trans_w).to(out_dtype)
+    if _use_grouped_mm_cpu(x_MI, w_EIN.shape[1] if trans_w else w_EIN.shape[2]):
+        return _GroupedMMCPU.apply(x_MI.contiguous(), w_EIN, counts_E, trans_w).to(out_dtype)
     # torch's matmuls accumulate bf16 and fp16 in fp32 (on CPU too: same error as fp32 math
     # rounded once, measured), so no upcast is needed
     ys = [x_e @ (w_EIN[e].T if trans_w else w_EIN[e]) for e, x_e in enumerate(x_MI.split(counts_E.tolist()))]

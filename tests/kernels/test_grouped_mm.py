@@ -102,3 +102,11 @@ def test_bad_input_raises(kwargs, match):
     args = {"x": x, "w": w, "counts": counts, "backend": "auto"} | kwargs
     with pytest.raises(ValueError, match=match):
         grouped_mm(args["x"], args["w"], args["counts"], backend=args["backend"])
+
+
+def test_backward_accepts_expanded_gradients():
+    # y.sum() sends back a stride-0 gradient, which torch._grouped_mm's own CPU backward rejects
+    x, w, counts = case(32, 4, 16, 8, torch.float32, False)
+    grouped_mm(x, w, counts).sum().backward()
+    expect = torch.stack([x_e.detach().sum(0)[:, None].expand(16, 8) for x_e in x.split(counts.tolist())])
+    torch.testing.assert_close(w.grad, expect)
