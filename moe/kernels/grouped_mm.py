@@ -37,37 +37,13 @@ def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend
         raise ValueError(f"x has inner dim {x_MI.shape[1]} but w{'.T' if trans_w else ''} expects {inner}")
     if x_MI.device != w_EIN.device:
         raise ValueError(f"x and w must be on one device, got {x_MI.device} and {w_EIN.device}")
-    if counts_E.numel() and (bool((counts_E < 0).any()) or int(counts_E.sum()) != x_MI.shape[0]):
-        raise ValueError(f"counts must be >= 0 and sum to the M = {x_MI.shape[0]} rows of x, got {counts_E.tolist()}")
 
 
 def _describe(t: object) -> str:
     return f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
 
 
-class _GroupedMMCPU(torch.autograd.Function):
-    """``torch._grouped_mm`` with its backward written out: the built-in CPU backward rejects a
-    non-contiguous output gradient (e.g. from ``y.sum()``), so the gradient is made contiguous
-    here. dX = dY @ w[e].T and dW[e] = X_e.T @ dY_e are grouped matmuls too."""
-
-    @staticmethod
-    def forward(ctx, x_MI, w, counts_E, trans_w):
-        offs = torch.cumsum(counts_E, 0).to(torch.int32)
-        ctx.save_for_backward(x_MI, w, offs)
-        ctx.trans_w = trans_w
-        return torch._grouped_mm(x_MI, w.transpose(1, 2) if trans_w else w, offs=offs)
-
-    @staticmethod
-    def backward(ctx, dy_MN):
-        x_MI, w, offs = ctx.saved_tensors
-        w_EIN = w.transpose(1, 2) if ctx.trans_w else w
-        dy_MN = dy_MN.to(x_MI.dtype).contiguous()
-        dx = torch._grouped_mm(dy_MN, w_EIN.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=offs)
-            dw = (dw_EIN.transpose(1, 2) if ctx.trans_w else dw_EIN).contiguous()
-        return dx, dw, None, None
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _use_grouped_mm_cpu(x_MI: Tensor, n_out: int) -> bool:
@@ -83,7 +59,87 @@ def _use_grouped_mm_cpu(x_MI: Tensor, n_out: int) -> bool:
     )
 
 
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+def _check_counts(counts_E: Tensor, num_rows: int) -> None:
+    # a data-dependent check: it runs inside the op, where torch.compile does not trace
+    if counts_E.numel() and (bool((counts_E < 0).any()) or int(counts_E.sum()) != num_rows):
+        raise ValueError(f"counts must be >= 0 and sum to the M = {num_rows} rows of x, got {counts_E.tolist()}")
+
+
+def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: str, out_dtype) -> Tensor:
+    """y = x @ w[e] per group (w[e].T with trans_w), stored in out_dtype, without autograd."""
+    _check_counts(counts_E, x_MI.shape[0])
+    w_EIN = w.transpose(1, 2) if trans_w else w  # a view: no copy
+    if backend == "triton":
+        from .triton_grouped_mm import triton_forward
+
+        return triton_forward(x_MI, w_EIN, counts_E, out_dtype)
+    if backend == "ref":
+        return grouped_mm_ref(x_MI, w_EIN, counts_E, out_dtype=out_dtype)
+    if out_dtype == x_MI.dtype and _use_grouped_mm_cpu(x_MI, w_EIN.shape[2]):
+        return torch._grouped_mm(x_MI, w_EIN, offs=torch.cumsum(counts_E, 0).to(torch.int32))
+    # torch's matmuls accumulate bf16 and fp16 in fp32 (on CPU too: the same error as fp32 math
+    # rounded once, measured); a wider out_dtype multiplies in that dtype
+    acc = torch.promote_types(x_MI.dtype, out_dtype)
+    ys = [x_e.to(acc) @ w_EIN[e].to(acc) for e, x_e in enumerate(x_MI.split(counts_E.tolist()))]
+    return (torch.cat(ys) if ys else x_MI.new_zeros(0, w_EIN.shape[2], dtype=acc)).to(out_dtype)
+
+
+def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend: str) -> Tensor:
+    """dW[e] = X_e.T @ dY_e, in the weight's layout ((E, N, I) with trans_w), x's dtype."""
+    if backend == "triton":
+        from .triton_grouped_mm import triton_wgrad
+
+        dw_EIN = triton_wgrad(x_MI, dy_MN, counts_E)
+    elif backend == "torch" and _use_grouped_mm_cpu(x_MI, dy_MN.shape[1]):
+        dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=torch.cumsum(counts_E, 0).to(torch.int32))
+    else:  # the loop, and the reference (its wgrad is this loop in fp32)
+        acc = x_MI.dtype if backend == "torch" else torch.promote_types(x_MI.dtype, torch.float32)
+        pairs = zip(x_MI.split(counts_E.tolist()), dy_MN.split(counts_E.tolist()), strict=True)
+        dw_EIN = torch.stack([x_e.to(acc).T @ dy_e.to(acc) for x_e, dy_e in pairs]).to(x_MI.dtype)
+    return (dw_EIN.transpose(1, 2) if trans_w else dw_EIN).contiguous()
+
+
+@torch.library.custom_op("moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(
+    x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: str, out_dtype: torch.dtype
+) -> Tensor:
+    return _forward(x_MI, w, counts_E, trans_w, backend, out_dtype)
+
+
+@_grouped_mm_op.register_fake
+def _(x_MI, w, counts_E, trans_w, backend, out_dtype):
+    return x_MI.new_empty(x_MI.shape[0], w.shape[1] if trans_w else w.shape[2], dtype=out_dtype)
+
+
+@torch.library.custom_op("moe::grouped_mm_wgrad", mutates_args=())
+def _wgrad_op(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend: str) -> Tensor:
+    return _wgrad(x_MI, dy_MN, counts_E, trans_w, backend)
+
+
+@_wgrad_op.register_fake
+def _(x_MI, dy_MN, counts_E, trans_w, backend):
+    i, n = x_MI.shape[1], dy_MN.shape[1]
+    return x_MI.new_empty(counts_E.shape[0], *((n, i) if trans_w else (i, n)))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x_MI, w, counts_E, trans_w, backend, _ = inputs
+    ctx.save_for_backward(x_MI, w, counts_E)
+    ctx.trans_w, ctx.backend = trans_w, backend
+
+
+def _backward(ctx, dy_MN):
+    x_MI, w, counts_E = ctx.saved_tensors
+    dy_MN = dy_MN.to(x_MI.dtype).contiguous()  # e.g. the stride-0 gradient of y.sum()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:  # dX = dY @ w[e].T: the forward on the transposed weight
+        dx = _grouped_mm_op(dy_MN, w, counts_E, not ctx.trans_w, ctx.backend, x_MI.dtype)
+    if ctx.needs_input_grad[1]:
+        dw = _wgrad_op(x_MI, dy_MN, counts_E, ctx.trans_w, ctx.backend)
+    return dx, dw, None, None, None, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup)
 
 
 def grouped_mm(
@@ -103,30 +159,21 @@ def grouped_mm(
         counts_E: (E,) rows per expert, summing to M; experts may have none.
         out_dtype: result dtype (default x's). fp32, bf16 and fp16 accumulate in fp32.
         backend: "triton" (the kernels of `triton_grouped_mm`: CUDA, or CPU under
-            ``TRITON_INTERPRET=1``), "torch" (``torch._grouped_mm`` on CPU for fp32/bf16/fp16,
-            else one matmul per expert over contiguous slices), "ref"
+            ``TRITON_INTERPRET=1``), "torch" (``torch._grouped_mm`` on CPU for fp32/bf16/fp16
+            rows aligned to 16 bytes, else one matmul per expert over contiguous slices), "ref"
             (`grouped_mm_ref`), or "auto" (triton on CUDA, torch elsewhere). A backend that
             cannot run here raises ValueError; nothing falls back silently.
 
-    One host sync to check the counts (and, for torch, to split by them).
+    The op is registered as ``torch.ops.moe.grouped_mm`` with a fake implementation and its
+    backward (``moe::grouped_mm_wgrad`` for dW), so it compiles under ``torch.compile`` without a
+    graph break. One host sync to check the counts (and, for the loop, to split by them).
     """
     _check(x_MI, w_EIN, counts_E, trans_w, backend)
-    out_dtype = out_dtype or x_MI.dtype
     if backend == "auto":
         backend = "triton" if x_MI.device.type == "cuda" else "torch"
     if backend == "triton":
-        from .triton_grouped_mm import triton_available, triton_grouped_mm  # needs triton (Linux)
+        from .triton_grouped_mm import triton_available  # needs triton (Linux)
 
         if not triton_available(x_MI.device):
             raise ValueError(f"backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 on CPU, got {x_MI.device}")
-        return triton_grouped_mm(x_MI, w_EIN, counts_E, trans_w, out_dtype)
-    if backend == "ref":
-        return grouped_mm_ref(x_MI, w_EIN, counts_E, trans_w=trans_w).to(out_dtype)
-    if _use_grouped_mm_cpu(x_MI, w_EIN.shape[1] if trans_w else w_EIN.shape[2]):
-        return _GroupedMMCPU.apply(x_MI.contiguous(), w_EIN, counts_E, trans_w).to(out_dtype)
-    # torch's matmuls accumulate bf16 and fp16 in fp32 (on CPU too: same error as fp32 math
-    # rounded once, measured), so no upcast is needed
-    ys = [x_e @ (w_EIN[e].T if trans_w else w_EIN[e]) for e, x_e in enumerate(x_MI.split(counts_E.tolist()))]
-    n_out = w_EIN.shape[1] if trans_w else w_EIN.shape[2]
-    y = torch.cat(ys) if ys else x_MI.new_zeros(0, n_out)
-    return y.to(out_dtype)
+    return _grouped_mm_op(x_MI.contiguous(), w_EIN, counts_E.to(torch.int64), trans_w, backend, out_dtype or x_MI.dtype)

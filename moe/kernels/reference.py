@@ -13,10 +13,13 @@ from torch import Tensor
 __all__ = ["grouped_mm_ref", "permute_ref", "unpermute_ref"]
 
 
-def grouped_mm_ref(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, *, trans_w: bool = False) -> Tensor:
+def grouped_mm_ref(
+    x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, *, trans_w: bool = False, out_dtype: torch.dtype | None = None
+) -> Tensor:
     """Rows [offs[e], offs[e+1]) of x times w[e] (w[e].T when ``trans_w``, w then (E, N, I)).
 
-    Accumulates in fp32 (fp64 for fp64 input) and returns x's dtype. Differentiable through autograd.
+    Accumulates in fp32 (fp64 for fp64 input) and returns ``out_dtype`` (default x's).
+    Differentiable through autograd.
     """
     acc = torch.promote_types(x_MI.dtype, torch.float32)
     out = []
@@ -27,7 +30,7 @@ def grouped_mm_ref(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, *, trans_w: bo
         start += n
     n_out = w_EIN.shape[1] if trans_w else w_EIN.shape[2]
     y = torch.cat(out) if out else x_MI.new_zeros(0, n_out, dtype=acc)
-    return y.to(x_MI.dtype)
+    return y.to(out_dtype or x_MI.dtype)
 
 
 def permute_ref(x_TD: Tensor, expert_idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:

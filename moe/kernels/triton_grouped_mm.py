@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["triton_available", "triton_grouped_mm"]
+__all__ = ["triton_available", "triton_forward", "triton_wgrad"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -127,11 +127,11 @@ def _schedule(counts_E: Tensor, bm: int) -> tuple[Tensor, Tensor, Tensor]:
     return tile_expert.to(torch.int32), (starts[tile_expert] + within * bm).to(torch.int32), ends.to(torch.int32)
 
 
-def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, out_dtype: torch.dtype) -> Tensor:
+def triton_forward(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """(M, I) x (E, I, N) by strides -> (M, N), accumulated in fp32 and stored in out_dtype."""
+    x_MI = x_MI.contiguous()
     m, i = x_MI.shape
-    # view w as (E, I, N) through strides: no copy for the transposed layout
-    n = w.shape[1] if trans_w else w.shape[2]
-    s_we, s_wi, s_wn = (w.stride(0), w.stride(2), w.stride(1)) if trans_w else w.stride()
+    n = w_EIN.shape[2]
     y = torch.empty(m, n, device=x_MI.device, dtype=torch.float32 if _INTERPRET else out_dtype)
     if m == 0 or n == 0:
         return y.to(out_dtype)
@@ -139,47 +139,24 @@ def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, out_dtype
     tile_expert, tile_row, row_end = _schedule(counts_E, bm)
     grid = (tile_expert.numel(), triton.cdiv(n, bn))
     _fwd_kernel[grid](
-        x_MI, w, y, tile_expert, tile_row, row_end, i, n,
-        x_MI.stride(0), x_MI.stride(1), s_we, s_wi, s_wn, y.stride(0), y.stride(1),
+        x_MI, w_EIN, y, tile_expert, tile_row, row_end, i, n,
+        x_MI.stride(0), x_MI.stride(1), *w_EIN.stride(), y.stride(0), y.stride(1),
         BM=bm, BN=bn, BK=bk, UPCAST=_INTERPRET,
     )  # fmt: skip
     return y.to(out_dtype)
 
 
-def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, w_shape: torch.Size, trans_w: bool, dtype) -> Tensor:
+def triton_wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor) -> Tensor:
+    """dW (E, I, N) = X_e.T @ dY_e per expert, in x's dtype; zeros for an expert with no rows."""
+    x_MI, dy_MN = x_MI.contiguous(), dy_MN.contiguous()
     e, i, n = counts_E.numel(), x_MI.shape[1], dy_MN.shape[1]
-    dw = torch.empty(w_shape, device=x_MI.device, dtype=torch.float32 if _INTERPRET else dtype)
-    s_de, s_di, s_dn = (dw.stride(0), dw.stride(2), dw.stride(1)) if trans_w else dw.stride()
+    dw = torch.empty(e, i, n, device=x_MI.device, dtype=torch.float32 if _INTERPRET else x_MI.dtype)
     offs = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)]).to(torch.int32)
     bm, bn, bk = _blocks(x_MI.dtype)
     grid = (e, triton.cdiv(i, bk), triton.cdiv(n, bn))
     _wgrad_kernel[grid](
         x_MI, dy_MN, dw, offs, i, n,
-        x_MI.stride(0), x_MI.stride(1), dy_MN.stride(0), dy_MN.stride(1), s_de, s_di, s_dn,
+        x_MI.stride(0), x_MI.stride(1), dy_MN.stride(0), dy_MN.stride(1), *dw.stride(),
         BM=bm, BI=bk, BN=bn, UPCAST=_INTERPRET,
     )  # fmt: skip
-    return dw.to(dtype)
-
-
-class _TritonGroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_MI, w, counts_E, trans_w, out_dtype):
-        ctx.save_for_backward(x_MI, w, counts_E)
-        ctx.trans_w = trans_w
-        return _forward(x_MI, w, counts_E, trans_w, out_dtype)
-
-    @staticmethod
-    def backward(ctx, dy_MN):
-        x_MI, w, counts_E = ctx.saved_tensors
-        dy_MN = dy_MN.to(x_MI.dtype).contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:  # dX = dY @ w[e].T: the forward with the weight transposed
-            dx = _forward(dy_MN, w, counts_E, not ctx.trans_w, x_MI.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _wgrad(x_MI, dy_MN, counts_E, w.shape, ctx.trans_w, w.dtype)
-        return dx, dw, None, None, None
-
-
-def triton_grouped_mm(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, out_dtype: torch.dtype) -> Tensor:
-    """`moe.kernels.grouped_mm` on the Triton kernels (inputs already checked)."""
-    return _TritonGroupedMM.apply(x_MI.contiguous(), w, counts_E.to(torch.int64), trans_w, out_dtype)
+    return dw.to(x_MI.dtype)

@@ -79,11 +79,30 @@ def test_equals_per_row_loop_and_splits(m, e, seed):
         torch.testing.assert_close(torch.cat([first, second]), y[a:b])
 
 
-def test_out_dtype_and_backends_agree():
+@pytest.mark.parametrize("backend", ["torch", "ref", "triton"])
+def test_out_dtype_keeps_fp32_accumulation(backend):
+    x, w, counts = case(30, 4, 16, 8, torch.bfloat16, False)
+    y = grouped_mm(x, w, counts, out_dtype=torch.float32, backend=backend)
+    exact = grouped_mm_ref(x.detach().double(), w.detach().double(), counts)
+    assert y.dtype == torch.float32
+    assert float((y.detach().double() - exact).abs().max()) < 1e-4  # not rounded through bf16 on the way
+
+
+def test_backends_agree_and_compile_without_graph_breaks():
     x, w, counts = case(30, 4, 16, 8, torch.float32, False)
     y32 = grouped_mm(x, w, counts, backend="torch")
     torch.testing.assert_close(grouped_mm(x, w, counts, backend="ref"), y32)
-    assert grouped_mm(x.bfloat16(), w.bfloat16(), counts, out_dtype=torch.float32).dtype == torch.float32
+
+    def f(x_, w_, c_):
+        return grouped_mm(x_, w_, c_, trans_w=False, backend="torch").square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    compiled(xg, wg, counts).backward()
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    f(x2, w2, counts).backward()
+    torch.testing.assert_close(xg.grad, x2.grad)
+    torch.testing.assert_close(wg.grad, w2.grad)
 
 
 @pytest.mark.parametrize(
