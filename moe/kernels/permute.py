@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PermuteInfo", "permute", "unpermute"]
+__all__ = ["BACKENDS", "PermuteInfo", "permute", "unpermute"]
 
 
 @dataclass(frozen=True)
@@ -24,14 +24,76 @@ class PermuteInfo:
     token: Tensor  # (M,) int64 token of each sorted row
     counts: Tensor  # (E,) int64 rows per expert
     offsets: Tensor  # (E + 1,) int64 first row of each expert, then M
+    row_of_slot: Tensor  # (T*K,) int64 sorted row of each slot, -1 where dropped
     num_tokens: int  # T
     top_k: int  # K
 
 
-def permute(x_TD: Tensor, expert_idx_TK: Tensor, *, num_experts: int) -> tuple[Tensor, PermuteInfo]:
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _resolve(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton":
+        from .triton_grouped_mm import triton_available  # needs triton (Linux)
+
+        if not triton_available(device):
+            raise ValueError(f"backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 on CPU, got {device}")
+    return backend
+
+
+class _TritonPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, info):
+        from .triton_permute import triton_gather
+
+        ctx.info = info
+        return triton_gather(x_TD, info.token)
+
+    @staticmethod
+    def backward(ctx, dxs_MD):
+        from .triton_permute import triton_combine
+
+        info = ctx.info
+        ones = dxs_MD.new_ones(info.num_tokens, info.top_k)
+        return triton_combine(dxs_MD, info.row_of_slot, ones), None
+
+
+class _TritonUnpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_MD, weights_TK, info):
+        from .triton_permute import triton_combine
+
+        ctx.save_for_backward(y_MD, weights_TK)
+        ctx.info = info
+        return triton_combine(y_MD, info.row_of_slot, weights_TK)
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        from .triton_permute import triton_gather
+
+        y_MD, weights_TK = ctx.saved_tensors
+        info = ctx.info
+        w_M = weights_TK.reshape(-1)[info.slot]
+        dy = triton_gather(dout_TD, info.token, w_M) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:  # <dout[t], y[row]> per kept slot, zero where dropped
+            dots = (dout_TD.float()[info.token] * y_MD.float()).sum(dim=1)
+            dw = weights_TK.new_zeros(weights_TK.numel()).index_copy(0, info.slot, dots.to(weights_TK.dtype))
+            dw = dw.view_as(weights_TK)
+        return dy, dw, None
+
+
+def permute(
+    x_TD: Tensor, expert_idx_TK: Tensor, *, num_experts: int, backend: str = "auto"
+) -> tuple[Tensor, PermuteInfo]:
     """Rows of x repeated per kept slot and sorted by expert: (M, D) and the `PermuteInfo`.
 
-    Slots with expert -1 (dropped) are skipped. Two host syncs (range check, M).
+    Slots with expert -1 (dropped) are skipped. ``backend``: "triton" (`triton_permute`),
+    "torch" (indexing and autograd), or "auto" (triton on CUDA). Two host syncs (range check, M).
     """
     if not isinstance(x_TD, Tensor) or x_TD.dim() != 2:
         raise ValueError(f"x must be a (T, D) tensor, got {getattr(x_TD, 'shape', type(x_TD).__name__)}")
@@ -54,19 +116,26 @@ def permute(x_TD: Tensor, expert_idx_TK: Tensor, *, num_experts: int) -> tuple[T
     slot = order[: int(counts.sum())]
     token = slot // k
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-    info = PermuteInfo(slot=slot, token=token, counts=counts, offsets=offsets, num_tokens=num_tokens, top_k=k)
+    row_of_slot = torch.full((num_tokens * k,), -1, dtype=torch.int64, device=idx.device)
+    row_of_slot[slot] = torch.arange(slot.numel(), device=idx.device)
+    info = PermuteInfo(slot, token, counts, offsets, row_of_slot, num_tokens, k)
+    if _resolve(backend, x_TD.device) == "triton":
+        return _TritonPermute.apply(x_TD, info), info
     return x_TD[token], info
 
 
-def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor) -> Tensor:
+def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: str = "auto") -> Tensor:
     """(M, D) expert outputs -> (T, D): each token's weighted sum over its kept slots.
 
     Computed in fp32 (or wider), returned in y's dtype; a token with no kept slot gets zeros.
+    ``backend`` as for `permute`; the triton combine sums each token's slots in a fixed order.
     """
     if not isinstance(y_MD, Tensor) or y_MD.dim() != 2 or y_MD.shape[0] != info.slot.shape[0]:
         raise ValueError(f"y must be (M={info.slot.shape[0]}, D), got {getattr(y_MD, 'shape', type(y_MD).__name__)}")
     if weights_TK.shape != (info.num_tokens, info.top_k):
         raise ValueError(f"weights must be (T, K) = {(info.num_tokens, info.top_k)}, got {tuple(weights_TK.shape)}")
+    if _resolve(backend, y_MD.device) == "triton":
+        return _TritonUnpermute.apply(y_MD, weights_TK, info)
     acc = torch.promote_types(y_MD.dtype, torch.float32)
     w_M = weights_TK.reshape(-1)[info.slot].to(acc)
     out = y_MD.new_zeros(info.num_tokens, y_MD.shape[1], dtype=acc)
