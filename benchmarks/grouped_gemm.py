@@ -54,11 +54,11 @@ def timed(fn, repeats: int, sync) -> float:
 
 
 def measure(fn, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, repeats: int, sync) -> tuple[float, float]:
-    """Median seconds of fn forward, and of forward + backward into x and w."""
+    """Median seconds of fn forward, and of forward + backward into x and w (no accumulation)."""
     fwd = timed(lambda: fn(x, w, counts), repeats, sync)
     xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
     dy = torch.randn(x.shape[0], fn(x, w, counts).shape[1], device=x.device, dtype=x.dtype)
-    return fwd, timed(lambda: fn(xg, wg, counts).backward(dy), repeats, sync)
+    return fwd, timed(lambda: torch.autograd.grad(fn(xg, wg, counts), (xg, wg), dy), repeats, sync)
 
 
 def methods(device: torch.device) -> dict:
@@ -91,11 +91,12 @@ def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) ->
         flops = 2 * m * i * n
         for skewed in (False, True):
             counts = make_counts(m, e, skewed).to(device)
-            cases = {**methods(device), "dense (same FLOPs)": lambda x, w, c: x @ w[0]}
+            cases = {meth: (fn, w) for meth, fn in methods(device).items()}
+            cases["dense (same FLOPs)"] = (lambda x, w, c: x @ w, w[0].contiguous())  # one (I, N) weight
             dense_fwd = dense_bwd = None
-            for meth, fn in cases.items():
+            for meth, (fn, weight) in cases.items():
                 try:
-                    fwd, fb = measure(fn, x, w, counts, repeats, sync)
+                    fwd, fb = measure(fn, x, weight, counts, repeats, sync)
                 except (RuntimeError, NotImplementedError) as err:  # e.g. a dtype a peer lacks
                     print(f"skip {meth} on {name}: {err}", file=sys.stderr)
                     continue

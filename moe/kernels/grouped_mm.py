@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .reference import grouped_mm_ref
 
-__all__ = ["BACKENDS", "grouped_mm"]
+__all__ = ["BACKENDS", "grouped_mm", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "torch", "ref")
 
@@ -30,6 +30,10 @@ def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend
         raise ValueError(f"w must be an (E, I, N) tensor of x's dtype {x_MI.dtype}, got {_describe(w_EIN)}")
     if not isinstance(counts_E, Tensor) or counts_E.dim() != 1 or counts_E.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"counts must be an (E,) integer tensor, got {_describe(counts_E)}")
+    if w_EIN.shape[0] < 1:
+        raise ValueError(f"w must hold at least one expert, got shape {tuple(w_EIN.shape)}")
+    if counts_E.device != x_MI.device:
+        raise ValueError(f"counts must be on x's device {x_MI.device}, got {counts_E.device}")
     if counts_E.shape[0] != w_EIN.shape[0]:
         raise ValueError(f"counts must have one entry per expert of w (E={w_EIN.shape[0]}), got {counts_E.shape[0]}")
     inner = w_EIN.shape[2] if trans_w else w_EIN.shape[1]
@@ -39,6 +43,23 @@ def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend
         raise ValueError(f"x and w must be on one device, got {x_MI.device} and {w_EIN.device}")
 
 
+def resolve_backend(backend: str, x: Tensor) -> str:
+    """ "auto" -> "triton" for fp32/bf16/fp16 on CUDA, else "torch"; "triton" where it cannot
+    run (no CUDA and no interpreter, or fp64) raises ValueError."""
+    if backend not in ("auto", "triton"):
+        return backend
+    from .triton_grouped_mm import DTYPES, triton_available  # needs triton (Linux)
+
+    if backend == "auto":
+        return "triton" if x.device.type == "cuda" and x.dtype in DTYPES else "torch"
+    if not triton_available(x.device, x.dtype):
+        raise ValueError(
+            f"backend 'triton' runs {[str(d) for d in DTYPES]} on CUDA, or on CPU with TRITON_INTERPRET=1; "
+            f"got {x.dtype} on {x.device}"
+        )
+    return backend
+
+
 def _describe(t: object) -> str:
     return f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
 
@@ -46,22 +67,26 @@ def _describe(t: object) -> str:
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _use_grouped_mm_cpu(x_MI: Tensor, n_out: int) -> bool:
-    # measured faster than the per-expert loop on CPU (docs/benchmarks.md); it has no fp64
-    # kernel and needs rows whose byte strides are multiples of 16
+def _use_grouped_mm_cpu(x_MI: Tensor, w_EIN: Tensor) -> bool:
+    # forward + backward measured faster than the per-expert loop on CPU (docs/benchmarks.md);
+    # it has no fp64 kernel and needs non-empty rows and strides that are multiples of 16 bytes
     size = x_MI.element_size()
+    aligned = all(st == 1 or (st * size) % 16 == 0 for st in w_EIN.stride()[1:])
     return (
         x_MI.device.type == "cpu"
         and hasattr(torch, "_grouped_mm")
         and x_MI.dtype in _GROUPED_MM_DTYPES
+        and aligned
+        and x_MI.shape[1] > 0
+        and w_EIN.shape[2] > 0
         and (x_MI.shape[1] * size) % 16 == 0
-        and (n_out * size) % 16 == 0
+        and (w_EIN.shape[2] * size) % 16 == 0
     )
 
 
 def _check_counts(counts_E: Tensor, num_rows: int) -> None:
     # a data-dependent check: it runs inside the op, where torch.compile does not trace
-    if counts_E.numel() and (bool((counts_E < 0).any()) or int(counts_E.sum()) != num_rows):
+    if bool((counts_E < 0).any()) or int(counts_E.sum()) != num_rows:
         raise ValueError(f"counts must be >= 0 and sum to the M = {num_rows} rows of x, got {counts_E.tolist()}")
 
 
@@ -75,7 +100,7 @@ def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: 
         return triton_forward(x_MI, w_EIN, counts_E, out_dtype)
     if backend == "ref":
         return grouped_mm_ref(x_MI, w_EIN, counts_E, out_dtype=out_dtype)
-    if out_dtype == x_MI.dtype and _use_grouped_mm_cpu(x_MI, w_EIN.shape[2]):
+    if out_dtype == x_MI.dtype and _use_grouped_mm_cpu(x_MI, w_EIN):
         return torch._grouped_mm(x_MI, w_EIN, offs=torch.cumsum(counts_E, 0).to(torch.int32))
     # torch's matmuls accumulate bf16 and fp16 in fp32 (on CPU too: the same error as fp32 math
     # rounded once, measured); a wider out_dtype multiplies in that dtype
@@ -90,7 +115,7 @@ def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend
         from .triton_grouped_mm import triton_wgrad
 
         dw_EIN = triton_wgrad(x_MI, dy_MN, counts_E)
-    elif backend == "torch" and _use_grouped_mm_cpu(x_MI, dy_MN.shape[1]):
+    elif backend == "torch" and _use_grouped_mm_cpu(x_MI, dy_MN[None]):  # dY read as a (1, M, N) "weight"
         dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=torch.cumsum(counts_E, 0).to(torch.int32))
     else:  # the loop, and the reference (its wgrad is this loop in fp32)
         acc = x_MI.dtype if backend == "torch" else torch.promote_types(x_MI.dtype, torch.float32)
@@ -166,14 +191,11 @@ def grouped_mm(
 
     The op is registered as ``torch.ops.moe.grouped_mm`` with a fake implementation and its
     backward (``moe::grouped_mm_wgrad`` for dW), so it compiles under ``torch.compile`` without a
-    graph break. One host sync to check the counts (and, for the loop, to split by them).
+    graph break. Host syncs: a few inside the op to check the counts (and to split by them for
+    the loop, or to build the Triton tile schedule).
     """
     _check(x_MI, w_EIN, counts_E, trans_w, backend)
-    if backend == "auto":
-        backend = "triton" if x_MI.device.type == "cuda" else "torch"
-    if backend == "triton":
-        from .triton_grouped_mm import triton_available  # needs triton (Linux)
-
-        if not triton_available(x_MI.device):
-            raise ValueError(f"backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 on CPU, got {x_MI.device}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    backend = resolve_backend(backend, x_MI)
     return _grouped_mm_op(x_MI.contiguous(), w_EIN, counts_E.to(torch.int64), trans_w, backend, out_dtype or x_MI.dtype)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .grouped_mm import resolve_backend
+
 __all__ = ["BACKENDS", "PermuteInfo", "permute", "unpermute"]
 
 
@@ -32,17 +34,10 @@ class PermuteInfo:
 BACKENDS = ("auto", "triton", "torch")
 
 
-def _resolve(backend: str, device: torch.device) -> str:
+def _resolve(backend: str, x: Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton":
-        from .triton_grouped_mm import triton_available  # needs triton (Linux)
-
-        if not triton_available(device):
-            raise ValueError(f"backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 on CPU, got {device}")
-    return backend
+    return resolve_backend(backend, x)
 
 
 class _TritonPermute(torch.autograd.Function):
@@ -93,7 +88,8 @@ def permute(
     """Rows of x repeated per kept slot and sorted by expert: (M, D) and the `PermuteInfo`.
 
     Slots with expert -1 (dropped) are skipped. ``backend``: "triton" (`triton_permute`),
-    "torch" (indexing and autograd), or "auto" (triton on CUDA). Two host syncs (range check, M).
+    "torch" (indexing and autograd), or "auto" (triton on CUDA). Two host syncs (the range of
+    expert_idx, and M).
     """
     if not isinstance(x_TD, Tensor) or x_TD.dim() != 2:
         raise ValueError(f"x must be a (T, D) tensor, got {getattr(x_TD, 'shape', type(x_TD).__name__)}")
@@ -107,8 +103,11 @@ def permute(
         raise ValueError(f"x and expert_idx must be on one device, got {x_TD.device} and {idx.device}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
-        raise ValueError(f"expert_idx must lie in [-1, {num_experts}), got [{int(idx.min())}, {int(idx.max())}]")
+    backend = _resolve(backend, x_TD)
+    if idx.numel():
+        lo, hi = (int(v) for v in torch.aminmax(idx))
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"expert_idx must lie in [-1, {num_experts}), got [{lo}, {hi}]")
     num_tokens, k = idx.shape
     key = torch.where(idx < 0, num_experts, idx).reshape(-1)  # dropped slots sort last
     order = torch.sort(key, stable=True).indices
@@ -118,8 +117,10 @@ def permute(
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
     row_of_slot = torch.full((num_tokens * k,), -1, dtype=torch.int64, device=idx.device)
     row_of_slot[slot] = torch.arange(slot.numel(), device=idx.device)
-    info = PermuteInfo(slot, token, counts, offsets, row_of_slot, num_tokens, k)
-    if _resolve(backend, x_TD.device) == "triton":
+    info = PermuteInfo(
+        slot=slot, token=token, counts=counts, offsets=offsets, row_of_slot=row_of_slot, num_tokens=num_tokens, top_k=k
+    )
+    if backend == "triton":
         return _TritonPermute.apply(x_TD, info), info
     return x_TD[token], info
 
@@ -134,7 +135,7 @@ def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: s
         raise ValueError(f"y must be (M={info.slot.shape[0]}, D), got {getattr(y_MD, 'shape', type(y_MD).__name__)}")
     if weights_TK.shape != (info.num_tokens, info.top_k):
         raise ValueError(f"weights must be (T, K) = {(info.num_tokens, info.top_k)}, got {tuple(weights_TK.shape)}")
-    if _resolve(backend, y_MD.device) == "triton":
+    if _resolve(backend, y_MD) == "triton":
         return _TritonUnpermute.apply(y_MD, weights_TK, info)
     acc = torch.promote_types(y_MD.dtype, torch.float32)
     w_M = weights_TK.reshape(-1)[info.slot].to(acc)

@@ -26,14 +26,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["triton_available", "triton_forward", "triton_wgrad"]
+__all__ = ["DTYPES", "triton_available", "triton_forward", "triton_wgrad"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_available(device: torch.device) -> bool:
-    """Triton kernels run on CUDA devices, and on CPU under Triton's interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and _INTERPRET)
+def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Triton kernels run fp32, bf16 and fp16 on CUDA devices, and on CPU under the interpreter."""
+    return dtype in DTYPES and (device.type == "cuda" or (device.type == "cpu" and _INTERPRET))
 
 
 @triton.jit
@@ -41,14 +41,14 @@ def _fwd_kernel(
     x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr,
     I, N,
     stride_xm, stride_xi, stride_we, stride_wi, stride_wn, stride_ym, stride_yn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)  # int64 offsets: E*I*N and M*I pass 2^31
+    row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
     row_end = tl.load(row_end_ptr + e)
     rows = row0 + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         ks = k0 + tl.arange(0, BK)
@@ -65,7 +65,7 @@ def _fwd_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=PRECISION)
     tl.store(
         y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn,
         acc.to(y_ptr.dtype.element_ty),
@@ -78,13 +78,13 @@ def _wgrad_kernel(
     x_ptr, dy_ptr, dw_ptr, offs_ptr,
     I, N,
     stride_xm, stride_xi, stride_dym, stride_dyn, stride_dwe, stride_dwi, stride_dwn,
-    BM: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+    BM: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    e = tl.program_id(0)
-    ii = tl.program_id(1) * BI + tl.arange(0, BI)
-    cols = tl.program_id(2) * BN + tl.arange(0, BN)
-    start = tl.load(offs_ptr + e)
-    end = tl.load(offs_ptr + e + 1)
+    e = tl.program_id(0).to(tl.int64)  # int64 offsets: E*I*N and M*I pass 2^31
+    ii = tl.program_id(1).to(tl.int64) * BI + tl.arange(0, BI)
+    cols = tl.program_id(2).to(tl.int64) * BN + tl.arange(0, BN)
+    start = tl.load(offs_ptr + e).to(tl.int64)
+    end = tl.load(offs_ptr + e + 1).to(tl.int64)
     acc = tl.zeros((BI, BN), dtype=tl.float32)
     for m0 in range(start, end, BM):
         ms = m0 + tl.arange(0, BM)
@@ -101,12 +101,20 @@ def _wgrad_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=PRECISION)
     tl.store(
         dw_ptr + e * stride_dwe + ii[:, None] * stride_dwi + cols[None, :] * stride_dwn,
         acc.to(dw_ptr.dtype.element_ty),
         mask=(ii[:, None] < I) & (cols[None, :] < N),
     )
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 in full IEEE precision, as torch's own matmul by default (tl.dot would use TF32)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # no fp64: its tl.dot does not compile
 
 
 def _blocks(dtype: torch.dtype) -> tuple[int, int, int]:
@@ -141,7 +149,7 @@ def triton_forward(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, out_dtype: tor
     _fwd_kernel[grid](
         x_MI, w_EIN, y, tile_expert, tile_row, row_end, i, n,
         x_MI.stride(0), x_MI.stride(1), *w_EIN.stride(), y.stride(0), y.stride(1),
-        BM=bm, BN=bn, BK=bk, UPCAST=_INTERPRET,
+        BM=bm, BN=bn, BK=bk, UPCAST=_INTERPRET, PRECISION=_precision(x_MI.dtype),
     )  # fmt: skip
     return y.to(out_dtype)
 
@@ -157,6 +165,6 @@ def triton_wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor) -> Tensor:
     _wgrad_kernel[grid](
         x_MI, dy_MN, dw, offs, i, n,
         x_MI.stride(0), x_MI.stride(1), dy_MN.stride(0), dy_MN.stride(1), *dw.stride(),
-        BM=bm, BI=bk, BN=bn, UPCAST=_INTERPRET,
+        BM=bm, BI=bk, BN=bn, UPCAST=_INTERPRET, PRECISION=_precision(x_MI.dtype),
     )  # fmt: skip
     return dw.to(x_MI.dtype)

@@ -37,20 +37,21 @@ def error_vs_fp32(x, w, counts, trans_w, dtype):
     return exact, float((plain.float() - exact).abs().max()) if exact.numel() else 0.0
 
 
+@pytest.mark.parametrize("backend", ["torch", "ref"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("trans_w", [False, True])
 @pytest.mark.parametrize(
     "m, e, i, n", [(0, 3, 24, 40), (1, 1, 24, 40), (37, 5, 100, 24), (37, 64, 40, 100), (64, 5, 24, 24)]
 )
-def test_forward_and_backward_match_reference(m, e, i, n, dtype, trans_w):
+def test_forward_and_backward_match_reference(m, e, i, n, dtype, trans_w, backend):
     x, w, counts = case(m, e, i, n, dtype, trans_w)
-    y = grouped_mm(x, w, counts, trans_w=trans_w)
+    y = grouped_mm(x, w, counts, trans_w=trans_w, backend=backend)
     assert y.shape == (m, n) and y.dtype == dtype
     exact, plain_err = error_vs_fp32(x, w, counts, trans_w, dtype)
     if m:
         assert float((y.detach().float() - exact).abs().max()) <= 2 * plain_err + 1e-5
-    dy = torch.randn(m, n).to(dtype)
-    gx, gw = grads(lambda: grouped_mm(x, w, counts, trans_w=trans_w), x, w, dy)
+    dy = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gx, gw = grads(lambda: grouped_mm(x, w, counts, trans_w=trans_w, backend=backend), x, w, dy)
     x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     rx, rw = grads(lambda: grouped_mm_ref(x32, w32, counts, trans_w=trans_w), x32, w32, dy.float())
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -114,6 +115,7 @@ def test_backends_agree_and_compile_without_graph_breaks():
         ({"counts": torch.tensor([10.0, 10, 5, 5])}, "integer"),
         ({"x": torch.randn(30, 15)}, "inner dim"),
         ({"w": torch.randn(4, 16, 8, dtype=torch.float64)}, "dtype"),
+        ({"w": torch.randn(0, 16, 8), "counts": torch.zeros(0, dtype=torch.int64)}, "at least one expert"),
     ],
 )
 def test_bad_input_raises(kwargs, match):
@@ -129,3 +131,21 @@ def test_backward_accepts_expanded_gradients():
     grouped_mm(x, w, counts).sum().backward()
     expect = torch.stack([x_e.detach().sum(0)[:, None].expand(16, 8) for x_e in x.split(counts.tolist())])
     torch.testing.assert_close(w.grad, expect)
+
+
+@pytest.mark.parametrize("backend", ["torch", "ref"])
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_gradcheck_fp64_and_opcheck(backend, trans_w):
+    x, w, counts = case(13, 3, 5, 4, torch.float64, trans_w)
+    torch.autograd.gradcheck(lambda x_, w_: grouped_mm(x_, w_, counts, trans_w=trans_w, backend=backend), (x, w))
+    torch.library.opcheck(torch.ops.moe.grouped_mm.default, (x, w, counts, trans_w, backend, torch.float64))
+
+
+def test_unaligned_weights_and_single_input_grads():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 24, 41, generator=g)[..., :40]  # row stride of 41 floats: not 16-byte aligned
+    x, counts = torch.randn(37, 24, generator=g), torch.tensor([10, 0, 7, 20, 0])
+    torch.testing.assert_close(grouped_mm(x, w, counts), grouped_mm_ref(x, w, counts))
+    xg = x.clone().requires_grad_()
+    grouped_mm(xg, w, counts).sum().backward()  # only x needs a gradient
+    assert xg.grad is not None and xg.grad.shape == x.shape

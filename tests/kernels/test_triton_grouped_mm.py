@@ -28,7 +28,7 @@ def test_triton_matches_reference(m, e, i, n, dtype, trans_w):
     exact, plain_err = error_vs_fp32(x, w, counts, trans_w, dtype)
     if m:
         assert float((y.detach().float() - exact).abs().max()) <= 2 * plain_err + 1e-5
-    dy = torch.randn(m, n, device=DEVICE).to(dtype)
+    dy = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     gx, gw = grads(lambda: grouped_mm(x, w, counts, trans_w=trans_w, backend="triton"), x, w, dy)
     x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     rx, rw = grads(lambda: grouped_mm_ref(x32, w32, counts, trans_w=trans_w), x32, w32, dy.float())
@@ -48,10 +48,13 @@ def test_triton_real_sizes_on_gpu(dtype):
     assert float((y.float() - exact).abs().max()) <= 2 * plain_err + 1e-3
 
 
-def test_triton_backend_refuses_cpu_without_interpreter(monkeypatch):
-    import moe.kernels.triton_grouped_mm as tgm
+def test_triton_backend_refuses_fp64_and_cpu_without_interpreter(monkeypatch):
+    tgm = pytest.importorskip("moe.kernels.triton_grouped_mm")
+    x, w, counts = case(8, 2, 16, 16, torch.float64, False)
+    with pytest.raises(ValueError, match="float64"):
+        grouped_mm(x.to(DEVICE), w.to(DEVICE), counts.to(DEVICE), backend="triton")
 
     monkeypatch.setattr(tgm, "_INTERPRET", False)
     x, w, counts = case(8, 2, 16, 16, torch.float32, False)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         grouped_mm(x.cpu(), w.cpu(), counts, backend="triton")

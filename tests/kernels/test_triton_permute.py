@@ -37,3 +37,9 @@ def test_unknown_backend_raises():
     idx, _ = routing(4, 3, 1, 0)
     with pytest.raises(ValueError, match="backend"):
         permute(torch.randn(4, 8), idx, num_experts=3, backend="cuda")
+
+
+def test_triton_permute_refuses_fp64():
+    idx, _ = routing(4, 3, 1, 0)
+    with pytest.raises(ValueError, match="float64"):
+        permute(torch.randn(4, 8, dtype=torch.float64, device=DEVICE), idx.to(DEVICE), num_experts=3, backend="triton")
