@@ -58,3 +58,19 @@ def test_triton_backend_refuses_fp64_and_cpu_without_interpreter(monkeypatch):
     x, w, counts = case(8, 2, 16, 16, torch.float32, False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         grouped_mm(x.cpu(), w.cpu(), counts, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gpu_tile_sizes(monkeypatch, dtype):
+    # the interpreter normally uses 16x16x16 tiles; run the GPU tiles too (ragged against every edge)
+    tgm = pytest.importorskip("moe.kernels.triton_grouped_mm")
+    monkeypatch.setattr(tgm, "_blocks", lambda dt: (64, 128, 64) if dt != torch.float32 else (64, 64, 32))
+    x, w, counts = case(150, 3, 72, 136, dtype, False)
+    x, w = x.detach().to(DEVICE).requires_grad_(), w.detach().to(DEVICE).requires_grad_()
+    counts = counts.to(DEVICE)
+    exact, plain_err = error_vs_fp32(x, w, counts, False, dtype)
+    y = grouped_mm(x, w, counts, backend="triton")
+    assert float((y.detach().float() - exact).abs().max()) <= 2 * plain_err + 1e-4
+    y.float().sum().backward()
+    ref_w = torch.stack([x_e.detach().float().sum(0)[:, None].expand(72, 136) for x_e in x.split(counts.tolist())])
+    torch.testing.assert_close(w.grad.float(), ref_w, rtol=2e-2, atol=2e-2)
