@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.docs import write_section
 from moe.kernels import grouped_mm
 
 SHAPES = {"mixtral-8x7b": dict(E=8, I=4096, N=14336, k=2), "deepseek-v3": dict(E=32, I=7168, N=2048, k=8)}
 TOKENS = 16384
-DOC_BEGIN, DOC_END = "<!-- grouped-gemm:begin -->", "<!-- grouped-gemm:end -->"
 
 
 def make_counts(m: int, e: int, skewed: bool) -> torch.Tensor:
@@ -132,17 +132,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_docs(md: str, docs: Path) -> None:
-    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
-    block = f"{DOC_BEGIN}\n{md}{DOC_END}"
-    if DOC_BEGIN in text:
-        head, rest = text.split(DOC_BEGIN, 1)
-        text = head + block + rest.split(DOC_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n## Grouped GEMM\n\n`python -m benchmarks.grouped_gemm`\n\n" + block + "\n"
-    docs.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -171,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "grouped_gemm.md").write_text(md)
     print(md)
     if args.docs:
-        write_docs(md, Path("docs/benchmarks.md"))
+        write_section("grouped-gemm", md, "## Grouped GEMM")
 
 
 if __name__ == "__main__":

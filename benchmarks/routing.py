@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.docs import write_section
 from moe.routing import assignment_score, balanced_assignment, expert_capacities, sinkhorn
 
 GRID = {"T": [1024, 4096, 16384, 65536], "E": [8, 64, 256], "K": [1, 2, 8]}
 QUICK = {"T": [1024, 4096], "E": [8, 64], "K": [1, 2]}
 DISTS = ("gaussian", "skewed", "zipf")
 SCIPY_MAX_SLOTS = 4096  # expanded (T*K) x (T*K) Hungarian; beyond this it takes minutes
-DOC_BEGIN, DOC_END = "<!-- routing:begin -->", "<!-- routing:end -->"
 
 
 def scores_for(dist: str, t: int, e: int, seed: int = 0) -> torch.Tensor:
@@ -197,17 +197,6 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_docs(md: str, png: Path, docs: Path) -> None:
-    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
-    block = f"{DOC_BEGIN}\n{md}\n![routing benchmark]({png.relative_to(docs.parent)})\n{DOC_END}"
-    if DOC_BEGIN in text:
-        head, rest = text.split(DOC_BEGIN, 1)
-        text = head + block + rest.split(DOC_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    docs.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small grid that runs in seconds")
@@ -253,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         img = Path("docs/img/routing.png")
         img.parent.mkdir(parents=True, exist_ok=True)
         img.write_bytes(png.read_bytes())
-        write_docs(md, img, Path("docs/benchmarks.md"))
+        write_section("routing", f"{md}\n![routing benchmark](img/routing.png)", "## Routing")
 
 
 if __name__ == "__main__":
