@@ -133,7 +133,9 @@ def _margins(a_ET: Tensor, k: int) -> Tensor:
     return torch.where(a_ET >= top[k - 1], a_ET - top[k], a_ET - top[k - 1])
 
 
-def _jacobi_prices(s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, omega: float = 0.7) -> Tensor:
+def _jacobi_prices(
+    s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, omega: float = 0.7
+) -> tuple[Tensor, Tensor]:
     """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
     largest price move of the last update (a scalar tensor).
 
