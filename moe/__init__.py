@@ -1,5 +1,7 @@
 """Mixture-of-Experts layers for PyTorch."""
 
+from .config import MoEConfig
+from .layer import MoE, aux_loss
 from .routing import (
     BaseRouter,
     ExpertChoiceRouter,
@@ -12,6 +14,9 @@ from .routing import (
 )
 
 __all__ = [
+    "MoE",
+    "MoEConfig",
+    "aux_loss",
     "BaseRouter",
     "ExpertChoiceRouter",
     "RouterConfig",

@@ -1,0 +1,69 @@
+"""Expert FFNs over expert-sorted rows, and the dense shared experts.
+
+Legend: M rows sorted by expert, D model dim, F expert hidden dim, E experts.
+
+    swiglu:  y = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]
+    gelu / relu:  y = act(x @ w1[e]) @ w2[e]
+
+with w1, w3: (E, D, F) and w2: (E, F, D), each product one `grouped_mm` over all experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .kernels import grouped_mm
+
+__all__ = ["GroupedExperts", "SharedExperts"]
+
+_ACT = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+class GroupedExperts(nn.Module):
+    """E expert FFNs applied to rows grouped by expert: (M, D), counts (E,) -> (M, D)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, activation: str = "swiglu", backend: str = "auto"):
+        super().__init__()
+        self.activation, self.backend = activation, backend
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # (E, D, F)
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # (E, F, D)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # N(0, 0.02) for every projection, as Mixtral's and Llama's initialisers do
+        for w in (self.w1, self.w3, self.w2):
+            if w is not None:
+                nn.init.normal_(w, std=0.02)
+
+    def forward(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
+        h = _ACT[self.activation](grouped_mm(x_MD, self.w1, counts_E, backend=self.backend))
+        if self.w3 is not None:
+            h = h * grouped_mm(x_MD, self.w3, counts_E, backend=self.backend)
+        return grouped_mm(h, self.w2, counts_E, backend=self.backend)
+
+
+class SharedExperts(nn.Module):
+    """``num`` dense experts every token goes through, fused into one FFN of width num * F."""
+
+    def __init__(self, dim: int, hidden_dim: int, num: int, activation: str = "swiglu"):
+        super().__init__()
+        self.activation = activation
+        width = hidden_dim * num
+        self.w1 = nn.Linear(dim, width, bias=False)
+        self.w3 = nn.Linear(dim, width, bias=False) if activation == "swiglu" else None
+        self.w2 = nn.Linear(width, dim, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.w1, self.w3, self.w2):
+            if lin is not None:
+                nn.init.normal_(lin.weight, std=0.02)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        h = _ACT[self.activation](self.w1(x_TD))
+        if self.w3 is not None:
+            h = h * self.w3(x_TD)
+        return self.w2(h)

@@ -1,0 +1,95 @@
+"""The MoE layer: route -> permute -> grouped experts -> unpermute (+ shared experts).
+
+Legend: T tokens, D model dim, K slots per token, E experts, M kept slots.
+
+The layer holds no process group; parallelising it swaps pieces from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from .config import MoEConfig
+from .experts import GroupedExperts, SharedExperts
+from .kernels import permute, unpermute
+from .routing import RoutingResult, build_router
+
+__all__ = ["MoE", "aux_loss"]
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts FFN: ``forward(x)`` maps (..., D) to (..., D).
+
+    - Router: ``config.router`` ("base", "topk", "sinkhorn", "expert_choice"), math in fp32.
+      BASE balances exactly in training and routes greedily in eval.
+    - Experts: E grouped FFNs (``config.activation``), plus ``num_shared_experts`` dense ones.
+    - Combine: "weighted" sums each token's expert outputs times their gates; "sigmoid_residual"
+      (top-1, BASE) gives ``alpha * expert(x) + (1 - alpha) * x`` with alpha the gate.
+    - Losses: the router's aux and z losses (already weighted by their coefficients) wait on
+      the module until `aux_loss` collects them; ``last_routing`` keeps a detached copy of the
+      last `RoutingResult` for inspection. Neither keeps an autograd graph past `aux_loss`.
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.router = build_router(config.router_config())
+        self.experts = GroupedExperts(
+            config.dim, config.hidden_dim, config.num_experts, config.activation, config.backend
+        )
+        self.shared = None
+        if config.num_shared_experts:
+            width = config.shared_hidden_dim or config.hidden_dim
+            self.shared = SharedExperts(config.dim, width, config.num_shared_experts, config.activation)
+        self.last_routing: RoutingResult | None = None
+        self._pending_loss: Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter and buffer (e.g. after building on the meta device)."""
+        for module in (self.router, self.experts, self.shared):
+            if module is not None:
+                module.reset_parameters()
+
+    def forward(self, x: Tensor, *, seq_len: int | None = None) -> Tensor:
+        cfg = self.config
+        if x.shape[-1] != cfg.dim:
+            raise ValueError(f"x must have shape (..., D={cfg.dim}), got {tuple(x.shape)}")
+        x_TD = x.reshape(-1, cfg.dim)
+        res = self.router(x_TD, seq_len=seq_len)  # raises on NaN / Inf input
+        xs, info = permute(x_TD, res.expert_idx, num_experts=cfg.num_experts, backend=cfg.backend)
+        ys = self.experts(xs, info.counts)
+        gates = res.weights.to(ys.dtype)
+        y_TD = unpermute(ys, info, gates, backend=cfg.backend)
+        if cfg.combine == "sigmoid_residual":
+            y_TD = y_TD + (1 - gates.sum(dim=1, keepdim=True)) * x_TD
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        self._pending_loss = res.aux_loss + res.z_loss
+        self.last_routing = dataclasses.replace(
+            res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
+        )
+        return y_TD.view(x.shape)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return f"router={cfg.router}, experts={cfg.num_experts}, top_k={cfg.top_k}, combine={cfg.combine}"
+
+
+def aux_loss(model: nn.Module) -> Tensor:
+    """Sum of the aux and z losses of every `MoE` layer in ``model`` since the last call.
+
+    Add it to the training loss; each layer's pending loss is cleared, so nothing is counted
+    twice or kept alive into the next step. A scalar zero when no layer has a loss.
+    """
+    total = None
+    for module in model.modules():
+        if isinstance(module, MoE) and module._pending_loss is not None:
+            total = module._pending_loss if total is None else total + module._pending_loss
+            module._pending_loss = None
+    if total is None:
+        param = next(model.parameters(), None)
+        return torch.zeros((), device=param.device if param is not None else None)
+    return total

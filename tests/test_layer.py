@@ -1,0 +1,111 @@
+"""The MoE layer: shape, the per-token definition, BASE's train/eval and residual mix, losses,
+meta-device construction and bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe import MoE, MoEConfig, aux_loss
+from moe.routing import expert_capacities
+
+
+def make(name="tiny", **overrides):
+    torch.manual_seed(0)
+    return MoE(MoEConfig.from_name(name, **overrides))
+
+
+def naive(layer: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """The definition, token by token: sum_j gate_j * expert_{e_j}(x) (+ shared experts)."""
+    res = layer.last_routing
+    ex = layer.experts
+    out = torch.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for j in range(res.expert_idx.shape[1]):
+            e = int(res.expert_idx[t, j])
+            if e < 0:
+                continue
+            h = F.silu(x_TD[t] @ ex.w1[e]) * (x_TD[t] @ ex.w3[e])
+            out[t] += res.weights[t, j] * (h @ ex.w2[e])
+    if layer.config.combine == "sigmoid_residual":
+        out += (1 - res.weights.sum(1, keepdim=True)) * x_TD
+    if layer.shared is not None:
+        out += layer.shared(x_TD)
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("tiny", {}),
+        ("tiny", {"router": "sinkhorn"}),
+        ("tiny", {"router": "expert_choice"}),
+        ("tiny", {"capacity_factor": 1.0}),
+        ("tiny", {"num_shared_experts": 2, "shared_hidden_dim": 16}),
+        ("tiny-base", {}),
+    ],
+)
+def test_matches_the_per_token_definition(name, overrides):
+    layer = make(name, **overrides)
+    x = torch.randn(3, 7, 32)  # (batch, seq, D): T = 21 is not a multiple of E
+    y = layer(x)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y.reshape(-1, 32), naive(layer, x.reshape(-1, 32)), rtol=1e-5, atol=1e-5)
+
+
+def test_base_balances_in_training_and_routes_greedily_in_eval():
+    layer = make("tiny-base")
+    x = torch.randn(22, 32)
+    layer(x)
+    assert torch.equal(layer.last_routing.counts, expert_capacities(22, 4, 1))
+    layer.eval()
+    layer(x)
+    logits = x @ layer.router.weight.detach().T
+    assert torch.equal(layer.last_routing.expert_idx[:, 0], logits.argmax(1))
+
+
+def test_gradients_reach_router_and_experts_and_aux_loss_is_collected_once():
+    layer = make("tiny", aux_loss_coef=0.01, z_loss_coef=0.001)
+    x = torch.randn(16, 32, requires_grad=True)
+    loss = layer(x).square().mean() + aux_loss(layer)
+    assert aux_loss(layer).item() == 0.0  # collected: nothing left for a second call
+    loss.backward()
+    for p in (x, layer.router.weight, layer.experts.w1, layer.experts.w2, layer.experts.w3):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    assert layer.last_routing.weights.grad_fn is None  # the kept copy holds no graph
+
+
+def test_bf16_and_empty_input():
+    layer = make("tiny").to(torch.bfloat16)
+    y = layer(torch.randn(2, 5, 32, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+    assert layer(torch.randn(0, 32, dtype=torch.bfloat16)).shape == (0, 32)
+
+
+def test_meta_construction_then_reset_parameters():
+    with torch.device("meta"):
+        layer = MoE(MoEConfig.from_name("tiny", num_shared_experts=1))
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    y = layer(torch.randn(9, 32))
+    assert torch.isfinite(y).all() and all(torch.isfinite(p).all() for p in layer.parameters())
+
+
+def test_presets_and_bad_config():
+    for name in ("mixtral-8x7b", "deepseek-v3", "llama2-7b-base", "tiny", "tiny-base"):
+        assert MoEConfig.from_name(name).router_config().num_experts >= 1
+    with pytest.raises(ValueError, match="top_k"):
+        MoEConfig(dim=8, hidden_dim=8, num_experts=2, top_k=3)
+    with pytest.raises(ValueError, match="sigmoid_residual"):
+        MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=2, combine="sigmoid_residual")
+    with pytest.raises(ValueError, match="router_options"):
+        MoEConfig(dim=8, hidden_dim=8, num_experts=4, router_options={"temperature": 2})
+    with pytest.raises(ValueError, match="unknown preset"):
+        MoEConfig.from_name("gpt-5")
+
+
+def test_bad_input_raises():
+    layer = make("tiny")
+    with pytest.raises(ValueError, match="finite"):
+        layer(torch.full((4, 32), float("nan")))
+    with pytest.raises(ValueError, match=r"\(\.\.\., D=32\)"):
+        layer(torch.randn(4, 31))
