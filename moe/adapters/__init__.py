@@ -1,0 +1,1 @@
+"""Adapters that put `moe.MoE` into other code bases (Hugging Face transformers, ...)."""

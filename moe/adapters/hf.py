@@ -1,0 +1,116 @@
+"""Hugging Face transformers: convert between `moe.MoE` and Mixtral's sparse MoE block.
+
+Needs the ``hf`` extra: ``pip install 'moe[hf]'``.
+
+Weight layouts (E experts, D model dim, F expert hidden dim):
+
+    Mixtral gate.weight          (E, D)       <-> MoE router.weight (E, D)
+    Mixtral experts.gate_up_proj (E, 2F, D)   <-> MoE experts.w1 (E, D, F) (first F rows, transposed)
+                                                  and experts.w3 (E, D, F) (last F rows, transposed)
+    Mixtral experts.down_proj    (E, D, F)    <-> MoE experts.w2 (E, F, D) (transposed)
+
+Mixtral routes by softmax, top-k, renormalised weights, SwiGLU experts and no shared experts;
+only an `MoE` with that routing converts to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import MoEConfig
+from ..layer import MoE
+
+__all__ = ["from_mixtral", "to_mixtral"]
+
+
+def _transformers():
+    try:
+        import transformers  # noqa: F401
+        from transformers.models.mixtral import modeling_mixtral
+    except ImportError as err:  # optional dependency: say how to get it
+        raise ImportError("moe.adapters.hf needs transformers: pip install 'moe[hf]'") from err
+    return modeling_mixtral
+
+
+def from_mixtral(block: nn.Module) -> MoE:
+    """An `MoE` computing the same function as transformers' ``MixtralSparseMoeBlock``."""
+    mm = _transformers()
+    if not isinstance(block, mm.MixtralSparseMoeBlock):
+        raise ValueError(f"block must be a transformers MixtralSparseMoeBlock, got {type(block).__name__}")
+    experts = block.experts
+    if type(experts.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"only SiLU (SwiGLU) Mixtral experts convert, got {type(experts.act_fn).__name__}")
+    num_experts, two_f, dim = experts.gate_up_proj.shape
+    f = two_f // 2
+    config = MoEConfig(
+        dim=dim,
+        hidden_dim=f,
+        num_experts=num_experts,
+        top_k=block.top_k,
+        router="topk",
+        router_options={"score_func": "softmax", "renormalize": True},
+    )
+    gate_up = experts.gate_up_proj.detach()
+    with torch.device("meta"):
+        layer = MoE(config)
+    layer.to_empty(device=gate_up.device)
+    layer.reset_parameters()
+    layer.to(gate_up.dtype)
+    with torch.no_grad():
+        layer.router.weight.copy_(block.gate.weight)
+        layer.experts.w1.copy_(gate_up[:, :f].transpose(1, 2))
+        layer.experts.w3.copy_(gate_up[:, f:].transpose(1, 2))
+        layer.experts.w2.copy_(experts.down_proj.detach().transpose(1, 2))
+    return layer
+
+
+def _mixtral_inexpressible(layer: MoE) -> list[str]:
+    cfg, rc = layer.config, layer.config.router_config()
+    problems = []
+    if cfg.router != "topk":
+        problems.append(f"router={cfg.router!r} (Mixtral routes by top-k)")
+    if rc.score_func != "softmax":
+        problems.append(f"score_func={rc.score_func!r} (Mixtral uses softmax scores)")
+    if not rc.renormalize:
+        problems.append("renormalize=False (Mixtral renormalises the top-k weights)")
+    if rc.n_groups > 1 and rc.topk_groups < rc.n_groups:
+        problems.append("group-limited routing")
+    if rc.bias_update_rate > 0 or bool(getattr(layer.router, "bias", torch.zeros(1)).ne(0).any()):
+        problems.append("a selection bias (aux-loss-free balancing)")
+    if cfg.capacity_factor is not None:
+        problems.append(f"capacity_factor={cfg.capacity_factor} (Mixtral is dropless)")
+    if cfg.num_shared_experts:
+        problems.append(f"num_shared_experts={cfg.num_shared_experts}")
+    if cfg.activation != "swiglu":
+        problems.append(f"activation={cfg.activation!r} (Mixtral experts are SwiGLU)")
+    if cfg.combine != "weighted":
+        problems.append(f"combine={cfg.combine!r} (Mixtral sums weighted expert outputs)")
+    return problems
+
+
+def to_mixtral(layer: MoE) -> nn.Module:
+    """transformers' ``MixtralSparseMoeBlock`` computing the same function as ``layer``.
+
+    Raises ValueError listing what Mixtral cannot express (e.g. BASE or sigmoid routing).
+    """
+    mm = _transformers()
+    problems = _mixtral_inexpressible(layer)
+    if problems:
+        raise ValueError("this MoE cannot be expressed as a Mixtral block: " + "; ".join(problems))
+    cfg = layer.config
+    hf_config = mm.MixtralConfig(
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.hidden_dim,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        hidden_act="silu",
+        router_jitter_noise=0.0,
+    )
+    w1 = layer.experts.w1.detach()
+    block = mm.MixtralSparseMoeBlock(hf_config).to(device=w1.device, dtype=w1.dtype)
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        block.experts.gate_up_proj.copy_(torch.cat([w1, layer.experts.w3.detach()], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(layer.experts.w2.detach().transpose(1, 2))
+    return block
