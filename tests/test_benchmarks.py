@@ -22,3 +22,16 @@ def test_grouped_gemm_rows_have_a_dense_ratio():
     assert {"ours (torch backend)", "per-expert loop", "dense (same FLOPs)"} <= methods
     assert all(r["fwd_vs_dense"] > 0 and r["fwdbwd_vs_dense"] > 0 for r in rows)
     assert {r["counts"] for r in rows} == {"uniform", "skewed"}
+
+
+def test_moe_layer_benchmark_compares_with_mixtral_and_dense():
+    import pytest
+
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    from benchmarks import moe_layer
+
+    rows = moe_layer.run(16, 24, 4, 2, 64, torch.float32, torch.device("cpu"), repeats=1)
+    names = [r["method"] for r in rows]
+    assert names[0] == "ours (moe.MoE)" and names[-1] == "dense SwiGLU (same FLOPs)"
+    assert "transformers Mixtral (eager)" in names
+    assert rows[-1]["x_dense"] == 1.0 and rows[0]["ours_speedup"] == 1.0
