@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch import library as torch_library
 
 from .reference import grouped_mm_ref
 
@@ -124,7 +125,7 @@ def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend
     return (dw_EIN.transpose(1, 2) if trans_w else dw_EIN).contiguous()
 
 
-@torch.library.custom_op("moe::grouped_mm", mutates_args=())
+@torch_library.custom_op("moe::grouped_mm", mutates_args=())
 def _grouped_mm_op(
     x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: str, out_dtype: torch.dtype
 ) -> Tensor:
@@ -136,7 +137,7 @@ def _(x_MI, w, counts_E, trans_w, backend, out_dtype):
     return x_MI.new_empty(x_MI.shape[0], w.shape[1] if trans_w else w.shape[2], dtype=out_dtype)
 
 
-@torch.library.custom_op("moe::grouped_mm_wgrad", mutates_args=())
+@torch_library.custom_op("moe::grouped_mm_wgrad", mutates_args=())
 def _wgrad_op(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend: str) -> Tensor:
     return _wgrad(x_MI, dy_MN, counts_E, trans_w, backend)
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import library as torch_library
 
 from moe.kernels import grouped_mm, grouped_mm_ref
 
@@ -138,7 +139,7 @@ def test_backward_accepts_expanded_gradients():
 def test_gradcheck_fp64_and_opcheck(backend, trans_w):
     x, w, counts = case(13, 3, 5, 4, torch.float64, trans_w)
     torch.autograd.gradcheck(lambda x_, w_: grouped_mm(x_, w_, counts, trans_w=trans_w, backend=backend), (x, w))
-    torch.library.opcheck(torch.ops.moe.grouped_mm.default, (x, w, counts, trans_w, backend, torch.float64))
+    torch_library.opcheck(torch.ops.moe.grouped_mm.default, (x, w, counts, trans_w, backend, torch.float64))
 
 
 def test_unaligned_weights_and_single_input_grads():
