@@ -21,7 +21,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..layer import MoE
 
-__all__ = ["from_mixtral", "to_mixtral"]
+__all__ = ["from_mixtral", "moeify", "to_mixtral"]
 
 
 def _transformers():
@@ -114,3 +114,63 @@ def to_mixtral(layer: MoE) -> nn.Module:
         block.experts.gate_up_proj.copy_(torch.cat([w1, layer.experts.w3.detach()], dim=2).transpose(1, 2))
         block.experts.down_proj.copy_(layer.experts.w2.detach().transpose(1, 2))
     return block
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not all(hasattr(layer, "mlp") for layer in layers):
+        raise ValueError(
+            "model must be a transformers decoder with .model.layers[i].mlp (Llama, Mistral), "
+            f"got {type(model).__name__}"
+        )
+    return layers
+
+
+def moeify(
+    model: nn.Module, config: MoEConfig, *, upcycle: bool = True, layers: list[int] | None = None, noise: float = 0.0
+) -> nn.Module:
+    """Replace the MLPs of a transformers Llama / Mistral model by `MoE` layers, in place.
+
+    Args:
+        model: e.g. ``LlamaForCausalLM``; its decoder layers' ``.mlp`` are replaced.
+        config: the MoE layer; with ``upcycle`` its ``dim`` and ``hidden_dim`` must match the
+            model's hidden and intermediate sizes.
+        upcycle: every expert starts as a copy of the dense MLP it replaces (plus Gaussian
+            ``noise`` of that std). With a router whose gates sum to one (top-k with
+            renormalisation, Sinkhorn's softmax for k > 1) the model's logits are unchanged at
+            step 0. Without it the experts are freshly initialised.
+        layers: indices of the decoder layers to convert (default: all).
+
+    Returns the model. Add ``moe.aux_loss(model)`` to the training loss to train the routers.
+    """
+    decoder = _decoder_layers(model)
+    chosen = range(len(decoder)) if layers is None else layers
+    for i in chosen:
+        dense = decoder[i].mlp
+        ref = dense.gate_proj.weight
+        if upcycle:
+            if type(dense.act_fn).__name__ not in ("SiLU", "SiLUActivation") or config.activation != "swiglu":
+                raise ValueError("upcycle needs SiLU-gated (SwiGLU) MLPs and activation='swiglu'")
+            if (config.hidden_dim, config.dim) != tuple(ref.shape) or dense.gate_proj.bias is not None:
+                raise ValueError(
+                    f"upcycle needs config dim={ref.shape[1]} and hidden_dim={ref.shape[0]} without MLP biases, "
+                    f"got dim={config.dim}, hidden_dim={config.hidden_dim}"
+                )
+        with torch.device("meta"):
+            layer = MoE(config)
+        layer.to_empty(device=ref.device)
+        layer.reset_parameters()
+        layer.to(ref.dtype)
+        if upcycle:
+            with torch.no_grad():
+                for w, lin in (
+                    (layer.experts.w1, dense.gate_proj),
+                    (layer.experts.w3, dense.up_proj),
+                    (layer.experts.w2, dense.down_proj),
+                ):
+                    w.copy_(lin.weight.detach().T.expand_as(w))
+                    if noise > 0:
+                        w.add_(torch.randn_like(w) * noise)
+        decoder[i].mlp = layer
+    return model

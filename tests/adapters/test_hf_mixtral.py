@@ -68,3 +68,43 @@ def test_to_mixtral_refuses_what_mixtral_cannot_express(name, overrides, match):
 def test_from_mixtral_rejects_other_modules():
     with pytest.raises(ValueError, match="MixtralSparseMoeBlock"):
         hf.from_mixtral(torch.nn.Linear(4, 4))
+
+
+def tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_moeify_upcycled_llama_keeps_its_logits_and_generates():
+    from moe import aux_loss
+
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (2, 11))
+    with torch.no_grad():
+        before = model(ids).logits
+    hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=2, aux_loss_coef=0.01))
+    assert all(isinstance(layer.mlp, MoE) for layer in model.model.layers)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    out = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 7)
+    model.train()
+    loss = model(ids, labels=ids).loss + aux_loss(model)
+    loss.backward()
+    assert model.model.layers[0].mlp.router.weight.grad is not None
+
+
+def test_moeify_checks_shapes_and_layers():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="hidden_dim=48"):
+        hf.moeify(model, MoEConfig(dim=32, hidden_dim=40, num_experts=4))
+    hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4), layers=[1])
+    assert not isinstance(model.model.layers[0].mlp, MoE) and isinstance(model.model.layers[1].mlp, MoE)
+    with pytest.raises(ValueError, match="model.layers"):
+        hf.moeify(torch.nn.Linear(2, 2), MoEConfig(dim=32, hidden_dim=48, num_experts=4))
