@@ -21,7 +21,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..layer import MoE
 
-__all__ = ["from_mixtral", "moeify", "to_mixtral"]
+__all__ = ["export_mixtral", "from_mixtral", "moeify", "to_mixtral"]
 
 
 def _transformers():
@@ -174,3 +174,52 @@ def moeify(
                         w.add_(torch.randn_like(w) * noise)
         decoder[i].mlp = layer
     return model
+
+
+def export_mixtral(model: nn.Module) -> nn.Module:
+    """A transformers ``MixtralForCausalLM`` with the same eval-mode logits as ``model``, a
+    Llama / Mistral model whose every MLP is an `MoE` Mixtral can express (see `to_mixtral`).
+
+    Raises ValueError naming what stands in the way (a dense layer left, BASE or sigmoid
+    routing, shared experts, attention biases, ...).
+    """
+    mm = _transformers()
+    decoder = _decoder_layers(model)
+    dense = [i for i, layer in enumerate(decoder) if not isinstance(layer.mlp, MoE)]
+    if dense:
+        raise ValueError(f"every decoder layer must hold an MoE for Mixtral; layers {dense} are dense")
+    if any(layer.mlp.config != decoder[0].mlp.config for layer in decoder):
+        raise ValueError("every MoE layer must share one configuration for Mixtral")
+    src = model.config
+    if getattr(src, "attention_bias", False) or getattr(src, "mlp_bias", False):
+        raise ValueError("Mixtral has no attention or MLP biases; this model uses them")
+    moe_cfg = decoder[0].mlp.config
+    problems = _mixtral_inexpressible(decoder[0].mlp)
+    if problems:
+        raise ValueError("this model's MoE layers cannot be expressed in Mixtral: " + "; ".join(problems))
+    hf_config = mm.MixtralConfig(
+        vocab_size=src.vocab_size,
+        hidden_size=src.hidden_size,
+        intermediate_size=moe_cfg.hidden_dim,
+        num_hidden_layers=src.num_hidden_layers,
+        num_attention_heads=src.num_attention_heads,
+        num_key_value_heads=src.num_key_value_heads,
+        head_dim=getattr(src, "head_dim", None),
+        max_position_embeddings=src.max_position_embeddings,
+        rms_norm_eps=src.rms_norm_eps,
+        rope_parameters=getattr(src, "rope_parameters", None),
+        tie_word_embeddings=src.tie_word_embeddings,
+        sliding_window=getattr(src, "sliding_window", None),
+        num_local_experts=moe_cfg.num_experts,
+        num_experts_per_tok=moe_cfg.top_k,
+        hidden_act="silu",
+        router_jitter_noise=0.0,
+    )
+    ref = model.get_input_embeddings().weight
+    out = mm.MixtralForCausalLM(hf_config).to(device=ref.device, dtype=ref.dtype)
+    state = {k: v for k, v in model.state_dict().items() if ".mlp." not in k}
+    for i, layer in enumerate(decoder):
+        block = to_mixtral(layer.mlp)
+        state.update({f"model.layers.{i}.mlp.{k}": v for k, v in block.state_dict().items()})
+    out.load_state_dict(state, strict=True)
+    return out.eval()

@@ -108,3 +108,24 @@ def test_moeify_checks_shapes_and_layers():
     assert not isinstance(model.model.layers[0].mlp, MoE) and isinstance(model.model.layers[1].mlp, MoE)
     with pytest.raises(ValueError, match="model.layers"):
         hf.moeify(torch.nn.Linear(2, 2), MoEConfig(dim=32, hidden_dim=48, num_experts=4))
+
+
+def test_export_mixtral_has_the_same_logits():
+    model = tiny_llama(seed=3)
+    hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=2), noise=0.05)  # experts differ
+    model.eval()
+    mixtral = hf.export_mixtral(model)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(mixtral(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_export_mixtral_refuses_what_mixtral_cannot_express():
+    model = tiny_llama()
+    hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4), layers=[0])
+    with pytest.raises(ValueError, match=r"layers \[1\] are dense"):
+        hf.export_mixtral(model)
+    model = tiny_llama()
+    hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=1, router="base"))
+    with pytest.raises(ValueError, match="router='base'"):
+        hf.export_mixtral(model)
