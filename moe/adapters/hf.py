@@ -15,13 +15,19 @@ only an `MoE` with that routing converts to it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from ..config import MoEConfig
-from ..layer import MoE
+from ..layer import MoE, aux_loss
 
-__all__ = ["export_mixtral", "from_mixtral", "moeify", "to_mixtral"]
+__all__ = ["export_mixtral", "from_mixtral", "load_pretrained", "moeify", "save_pretrained", "to_mixtral"]
+
+_MOE_FILE = "moe_layers.json"  # {decoder layer index: MoEConfig fields}
 
 
 def _transformers():
@@ -127,8 +133,21 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _add_aux_loss(module: nn.Module, args, output):
+    """Forward hook: a model output that carries a training loss gets the MoE losses added."""
+    if getattr(output, "loss", None) is not None:
+        output["loss"] = output.loss + aux_loss(module)
+    return output
+
+
 def moeify(
-    model: nn.Module, config: MoEConfig, *, upcycle: bool = True, layers: list[int] | None = None, noise: float = 0.0
+    model: nn.Module,
+    config: MoEConfig,
+    *,
+    upcycle: bool = True,
+    layers: list[int] | None = None,
+    noise: float = 0.0,
+    aux_loss_in_loss: bool = True,
 ) -> nn.Module:
     """Replace the MLPs of a transformers Llama / Mistral model by `MoE` layers, in place.
 
@@ -141,8 +160,11 @@ def moeify(
             renormalisation, Sinkhorn's softmax for k > 1) the model's logits are unchanged at
             step 0. Without it the experts are freshly initialised.
         layers: indices of the decoder layers to convert (default: all).
+        aux_loss_in_loss: register a forward hook on ``model`` that adds `moe.aux_loss` to the
+            ``loss`` of its output whenever labels were given (once per model). Otherwise add
+            ``moe.aux_loss(model)`` to the training loss yourself.
 
-    Returns the model. Add ``moe.aux_loss(model)`` to the training loss to train the routers.
+    Returns the model.
     """
     decoder = _decoder_layers(model)
     chosen = range(len(decoder)) if layers is None else layers
@@ -173,6 +195,8 @@ def moeify(
                     if noise > 0:
                         w.add_(torch.randn_like(w) * noise)
         decoder[i].mlp = layer
+    if aux_loss_in_loss and not getattr(model, "_moe_aux_loss_hook", None):
+        model._moe_aux_loss_hook = model.register_forward_hook(_add_aux_loss)
     return model
 
 
@@ -223,3 +247,34 @@ def export_mixtral(model: nn.Module) -> nn.Module:
         state.update({f"model.layers.{i}.mlp.{k}": v for k, v in block.state_dict().items()})
     out.load_state_dict(state, strict=True)
     return out.eval()
+
+
+def save_pretrained(model: nn.Module, path: str | Path) -> None:
+    """Save a MoE-ified transformers model: its config (``config.json``), which layers are MoE
+    and how (``moe_layers.json``), and every weight (``model.safetensors``)."""
+    from safetensors.torch import save_model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    layers = {
+        i: dataclasses.asdict(layer.mlp.config)
+        for i, layer in enumerate(_decoder_layers(model))
+        if isinstance(layer.mlp, MoE)
+    }
+    (path / _MOE_FILE).write_text(json.dumps(layers, indent=1))
+    save_model(model, str(path / "model.safetensors"))
+
+
+def load_pretrained(path: str | Path) -> nn.Module:
+    """The model `save_pretrained` wrote, rebuilt from its config and loaded strictly."""
+    _transformers()
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    for i, fields_ in json.loads((path / _MOE_FILE).read_text()).items():
+        moeify(model, MoEConfig(**fields_), upcycle=False, layers=[int(i)])
+    load_model(model, str(path / "model.safetensors"), strict=True)
+    return model.eval()

@@ -95,8 +95,11 @@ def test_moeify_upcycled_llama_keeps_its_logits_and_generates():
     out = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
     assert out.shape == (2, 7)
     model.train()
-    loss = model(ids, labels=ids).loss + aux_loss(model)
-    loss.backward()
+    out = model(ids, labels=ids)  # the hook added the MoE losses to out.loss
+    assert aux_loss(model).item() == 0.0  # already collected by the hook
+    logits_loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+    assert out.loss.item() > logits_loss.item()  # the aux loss (coef 0.01) is in there
+    out.loss.backward()
     assert model.model.layers[0].mlp.router.weight.grad is not None
 
 
@@ -129,3 +132,21 @@ def test_export_mixtral_refuses_what_mixtral_cannot_express():
     hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=1, router="base"))
     with pytest.raises(ValueError, match="router='base'"):
         hf.export_mixtral(model)
+
+
+def test_save_and_load_pretrained_round_trip(tmp_path):
+    model = tiny_llama(seed=4)
+    hf.moeify(
+        model,
+        MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=1, router="base", combine="sigmoid_residual"),
+        layers=[0],
+    )
+    model.eval()
+    hf.save_pretrained(model, tmp_path / "ckpt")
+    back = hf.load_pretrained(tmp_path / "ckpt")
+    assert isinstance(back.model.layers[0].mlp, MoE) and not isinstance(back.model.layers[1].mlp, MoE)
+    for (na, a), (nb, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(a, b)
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits)
