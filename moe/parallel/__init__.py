@@ -4,5 +4,6 @@ Parallelism is applied from outside the layer; nothing here holds a process-grou
 """
 
 from .all_to_all import all_to_all
+from .dispatch import DispatchInfo, combine, dispatch
 
-__all__ = ["all_to_all"]
+__all__ = ["DispatchInfo", "all_to_all", "combine", "dispatch"]

@@ -1,0 +1,64 @@
+"""Expert-parallel dispatch over gloo: EP=2 gives the single-process layer's outputs and
+gradients, tokens are conserved, a rank may have no tokens."""
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from moe import MoE, MoEConfig
+from moe.kernels import grouped_mm, permute, unpermute
+from moe.parallel import combine, dispatch
+
+from .test_all_to_all import free_port
+
+pytestmark = pytest.mark.distributed
+TOKENS = {2: [(7, 3), (0, 5)]}  # per scenario: tokens on each rank (rank 1 has none in the second)
+
+
+def ep_forward(layer: MoE, x: torch.Tensor, rank: int, world: int, w1, w3, w2) -> torch.Tensor:
+    """The layer's forward with its experts spread over the ranks: this rank holds w1/w3/w2."""
+    res = layer.router(x)
+    xs, info = permute(x, res.expert_idx, num_experts=layer.config.num_experts, backend="torch")
+    x_local, counts_local, dinfo = dispatch(xs, info.counts)
+    h = F.silu(grouped_mm(x_local, w1, counts_local)) * grouped_mm(x_local, w3, counts_local)
+    y_local = grouped_mm(h, w2, counts_local)
+    return unpermute(combine(y_local, dinfo), info, res.weights, backend="torch"), counts_local
+
+
+def worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        for tokens in TOKENS[world]:
+            torch.manual_seed(0)  # the same global layer on every rank
+            layer = MoE(MoEConfig(dim=8, hidden_dim=12, num_experts=4, top_k=2))
+            per = layer.config.num_experts // world
+            ex = layer.experts
+            local = [w.detach()[rank * per : (rank + 1) * per].clone().requires_grad_() for w in (ex.w1, ex.w3, ex.w2)]
+            x = torch.randn(tokens[rank], 8, generator=torch.Generator().manual_seed(rank))
+            x_ref, x_ep = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y_ref = layer(x_ref)
+            y_ep, counts_local = ep_forward(layer, x_ep, rank, world, *local)
+            torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
+            scale = torch.linspace(-1, 1, 8)
+            (y_ref * scale).sum().backward()
+            (y_ep * scale).sum().backward()
+            torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+            for w_local, w in zip(local, (ex.w1, ex.w3, ex.w2), strict=True):
+                g = w.grad.clone()
+                dist.all_reduce(g)  # the experts see every rank's tokens under expert parallelism
+                torch.testing.assert_close(w_local.grad, g[rank * per : (rank + 1) * per], rtol=1e-5, atol=1e-6)
+            kept = torch.tensor([int((layer.last_routing.expert_idx >= 0).sum()), int(counts_local.sum())])
+            dist.all_reduce(kept)
+            assert kept[0] == kept[1]  # tokens are conserved across ranks
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep2_matches_single_process_layer():
+    mp.spawn(worker, args=(2, free_port()), nprocs=2, join=True)
