@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.docs import write_section
+from benchmarks.common import run_meta, timed, write_section
 from moe.kernels import grouped_mm
 
 SHAPES = {"mixtral-8x7b": dict(E=8, I=4096, N=14336, k=2), "deepseek-v3": dict(E=32, I=7168, N=2048, k=8)}
@@ -41,24 +39,13 @@ def make_counts(m: int, e: int, skewed: bool) -> torch.Tensor:
     return counts
 
 
-def timed(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(fn, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, repeats: int, sync) -> tuple[float, float]:
     """Median seconds of fn forward, and of forward + backward into x and w (no accumulation)."""
-    fwd = timed(lambda: fn(x, w, counts), repeats, sync)
+    fwd, _ = timed(lambda: fn(x, w, counts), repeats, sync)
     xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
     dy = torch.randn(x.shape[0], fn(x, w, counts).shape[1], device=x.device, dtype=x.dtype)
-    return fwd, timed(lambda: torch.autograd.grad(fn(xg, wg, counts), (xg, wg), dy), repeats, sync)
+    fb, _ = timed(lambda: torch.autograd.grad(fn(xg, wg, counts), (xg, wg), dy), repeats, sync)
+    return fwd, fb
 
 
 def methods(device: torch.device) -> dict:
@@ -80,7 +67,7 @@ def methods(device: torch.device) -> dict:
 
 
 def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) -> list[dict]:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
     rows = []
     for name, sh in SHAPES.items():
         e, i, n = sh["E"], max(16, int(sh["I"] * scale)), max(16, int(sh["N"] * scale))
@@ -116,7 +103,8 @@ def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) ->
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
-        f"Command: `{meta['command']}` on {meta['machine']}, {meta['date']}, {meta['dtype']}, shapes scaled by "
+        f"Command: `{meta['command']}` on {meta['machine']} ({meta['threads']} torch threads, torch {meta['torch']}), "
+        f"{meta['date']}, {meta['dtype']}, shapes scaled by "
         f"{meta['scale']} (M, I, N). Median of {meta['repeats']} repeats. x dense = time of one dense GEMM with the "
         "same FLOPs / time of the method (1.0 = the dense ceiling).",
         "",
@@ -145,11 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     scale = args.scale or (1.0 if device.type == "cuda" else 0.125)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     rows = run(scale, dtype, device, args.repeats)
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "x86_64 CPU"
     meta = {
-        "command": " ".join(["python -m benchmarks.grouped_gemm", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": f"{machine} ({torch.get_num_threads()} torch threads, torch {torch.__version__})",
-        "date": time.strftime("%Y-%m-%d"),
+        **run_meta("benchmarks.grouped_gemm", argv, device),
         "dtype": str(dtype).replace("torch.", ""),
         "scale": scale,
         "repeats": args.repeats,

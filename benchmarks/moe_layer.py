@@ -14,28 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.docs import write_section
+from benchmarks.common import run_meta, timed, write_section
 from moe import MoE, MoEConfig
-
-
-def timed(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fwd_bwd(module, x):
@@ -52,7 +38,7 @@ def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> 
     torch.manual_seed(0)
     ours = MoE(MoEConfig(dim=d, hidden_dim=f, num_experts=e, top_k=k)).to(device, dtype)
     x = torch.randn(1, t, d, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
     cases = {"ours (moe.MoE)": ours}
     state = to_mixtral(ours).state_dict()  # the same weights in Mixtral's layout
     for impl in ("eager", "grouped_mm", "batched_mm"):
@@ -80,7 +66,7 @@ def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> 
     cases["dense SwiGLU (same FLOPs)"] = dense
     rows = []
     for name, module in cases.items():
-        sec = timed(lambda module=module: fwd_bwd(module, x), repeats, sync)
+        sec, _ = timed(lambda module=module: fwd_bwd(module, x), repeats, sync)
         rows.append({"method": name, "ms": sec * 1e3, "tokens_per_s": t / sec})
     dense_ms = rows[-1]["ms"]
     ours_ms = rows[0]["ms"]
@@ -92,7 +78,8 @@ def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
-        f"Command: `{meta['command']}` on {meta['machine']}, {meta['date']}, {meta['dtype']}, D={meta['d']}, "
+        f"Command: `{meta['command']}` on {meta['machine']} ({meta['threads']} torch threads, torch {meta['torch']}), "
+        f"{meta['date']}, {meta['dtype']}, D={meta['d']}, "
         f"F={meta['f']}, E={meta['e']}, k={meta['k']}, T={meta['t']}. Forward + backward, median of {meta['repeats']}.",
         "",
         "| method | ms | tokens/s | time / dense | our speedup over it |",
@@ -119,11 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     d, f, e, k, t = args.shape or ((4096, 14336, 8, 2, 16384) if device.type == "cuda" else (512, 1408, 8, 2, 4096))
     dtype = getattr(torch, args.dtype)
     rows = run(d, f, e, k, t, dtype, device, args.repeats)
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "x86_64 CPU"
     meta = {
-        "command": " ".join(["python -m benchmarks.moe_layer", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": f"{machine} ({torch.get_num_threads()} torch threads, torch {torch.__version__})",
-        "date": time.strftime("%Y-%m-%d"),
+        **run_meta("benchmarks.moe_layer", argv, device),
         "dtype": args.dtype,
         "d": d, "f": f, "e": e, "k": k, "t": t,
         "repeats": args.repeats,

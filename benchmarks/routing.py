@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.docs import write_section
+from benchmarks.common import run_meta, timed, write_section
 from moe.routing import assignment_score, balanced_assignment, expert_capacities, sinkhorn
 
 GRID = {"T": [1024, 4096, 16384, 65536], "E": [8, 64, 256], "K": [1, 2, 8]}
@@ -45,16 +42,6 @@ def scores_for(dist: str, t: int, e: int, seed: int = 0) -> torch.Tensor:
     elif dist == "zipf":  # expert popularity ~ 1 / rank, as a log-prior on the scores
         x += torch.log(1.0 / torch.arange(1, e + 1, dtype=torch.float32))
     return x
-
-
-def timed(fn, repeats: int) -> tuple[float, object]:
-    out = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def load_metrics(idx: torch.Tensor, num_experts: int, num_slots: int) -> dict:
@@ -220,14 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for t, e, k, d in tqdm(cases, desc="routing cases"):
         rows.extend(run_case(t, e, k, d, repeats, args.sinkhorn_iters))
-    meta = {
-        "command": " ".join(["python -m benchmarks.routing", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": f"{platform.machine()} CPU",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "repeats": repeats,
-    }
+    meta = {**run_meta("benchmarks.routing", argv), "repeats": repeats}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "routing.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = markdown(rows, meta)

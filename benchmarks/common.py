@@ -1,0 +1,56 @@
+"""What the benchmark scripts share: timing, the run's metadata, and writing their section of
+docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DOCS = Path("docs/benchmarks.md")
+
+
+def write_section(name: str, body: str, heading: str, docs: Path = DOCS) -> None:
+    """Replace the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` with ``body``;
+    append the markers under ``heading`` when the file has none yet. Text around them is kept."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = f"{text.rstrip()}\n\n{heading}\n\n{block}\n"
+    docs.write_text(text)
+
+
+def timed(fn, repeats: int, sync=None) -> tuple[float, object]:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up, and its last result.
+    ``sync`` (e.g. torch.cuda.synchronize) runs after every call so GPU work is counted."""
+    out = fn()
+    if sync:
+        sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def run_meta(module: str, argv: list[str] | None, device: torch.device | None = None) -> dict:
+    """The command that ran (``python -m module args``), the machine, threads, torch and date."""
+    cuda = device is not None and device.type == "cuda"
+    return {
+        "command": " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": torch.cuda.get_device_name(device) if cuda else f"{platform.machine()} CPU",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
