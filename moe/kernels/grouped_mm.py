@@ -20,6 +20,8 @@ from .reference import grouped_mm_ref
 __all__ = ["BACKENDS", "grouped_mm", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "torch", "ref")
+# what torch._grouped_mm and the Triton kernels take (no fp64: neither has a kernel for it)
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend: str) -> None:
@@ -45,27 +47,24 @@ def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend
 
 
 def resolve_backend(backend: str, x: Tensor) -> str:
-    """ "auto" -> "triton" for fp32/bf16/fp16 on CUDA, else "torch"; "triton" where it cannot
-    run (no CUDA and no interpreter, or fp64) raises ValueError."""
-    if backend not in ("auto", "triton"):
-        return backend
-    from .triton_grouped_mm import DTYPES, triton_available  # needs triton (Linux)
-
+    """ "auto" -> "triton" for fp32/bf16/fp16 on CUDA, else "torch" (triton is only imported
+    when it is used); "triton" where it cannot run (no CUDA and no interpreter, or fp64) raises
+    ValueError."""
     if backend == "auto":
-        return "triton" if x.device.type == "cuda" and x.dtype in DTYPES else "torch"
-    if not triton_available(x.device, x.dtype):
-        raise ValueError(
-            f"backend 'triton' runs {[str(d) for d in DTYPES]} on CUDA, or on CPU with TRITON_INTERPRET=1; "
-            f"got {x.dtype} on {x.device}"
-        )
+        return "triton" if x.device.type == "cuda" and x.dtype in MATMUL_DTYPES else "torch"
+    if backend == "triton":
+        from .triton_grouped_mm import triton_available  # needs triton (Linux)
+
+        if not triton_available(x.device, x.dtype):
+            raise ValueError(
+                f"backend 'triton' runs {[str(d) for d in MATMUL_DTYPES]} on CUDA, or on CPU with "
+                f"TRITON_INTERPRET=1; got {x.dtype} on {x.device}"
+            )
     return backend
 
 
 def _describe(t: object) -> str:
     return f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-
-
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _use_grouped_mm_cpu(x_MI: Tensor, w_EIN: Tensor) -> bool:
@@ -76,7 +75,7 @@ def _use_grouped_mm_cpu(x_MI: Tensor, w_EIN: Tensor) -> bool:
     return (
         x_MI.device.type == "cpu"
         and hasattr(torch, "_grouped_mm")
-        and x_MI.dtype in _GROUPED_MM_DTYPES
+        and x_MI.dtype in MATMUL_DTYPES
         and aligned
         and x_MI.shape[1] > 0
         and w_EIN.shape[2] > 0

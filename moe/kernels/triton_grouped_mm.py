@@ -26,14 +26,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["DTYPES", "triton_available", "triton_forward", "triton_wgrad"]
+from .grouped_mm import MATMUL_DTYPES
+
+__all__ = ["triton_available", "triton_forward", "triton_wgrad"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Triton kernels run fp32, bf16 and fp16 on CUDA devices, and on CPU under the interpreter."""
-    return dtype in DTYPES and (device.type == "cuda" or (device.type == "cpu" and _INTERPRET))
+    return dtype in MATMUL_DTYPES and (device.type == "cuda" or (device.type == "cpu" and _INTERPRET))
 
 
 @triton.jit
@@ -112,9 +114,6 @@ def _wgrad_kernel(
 def _precision(dtype: torch.dtype) -> str:
     # fp32 in full IEEE precision, as torch's own matmul by default (tl.dot would use TF32)
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # no fp64: its tl.dot does not compile
 
 
 def _blocks(dtype: torch.dtype) -> tuple[int, int, int]:

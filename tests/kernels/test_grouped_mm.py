@@ -150,3 +150,21 @@ def test_unaligned_weights_and_single_input_grads():
     xg = x.clone().requires_grad_()
     grouped_mm(xg, w, counts).sum().backward()  # only x needs a gradient
     assert xg.grad is not None and xg.grad.shape == x.shape
+
+
+def test_auto_backend_on_cpu_needs_no_triton():
+    # triton is a Linux-only dependency: away from CUDA, "auto" must not import it
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; sys.modules['triton'] = None\n"
+        "from moe.kernels import grouped_mm, permute\n"
+        "x = torch.randn(8, 16); print(tuple(grouped_mm(x, torch.randn(2, 16, 8), torch.tensor([3, 5])).shape))\n"
+        "print(tuple(permute(x, torch.zeros(8, 1, dtype=torch.int64), num_experts=2)[0].shape))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["(8,", "8)", "(8,", "16)"]
