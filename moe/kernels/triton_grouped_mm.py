@@ -39,6 +39,15 @@ def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def _mma(acc, a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b, accumulated in fp32 (operands upcast first under the interpreter)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return acc + tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _fwd_kernel(
     x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr,
     I, N,
@@ -64,10 +73,7 @@ def _fwd_kernel(
             mask=(ks[:, None] < I) & (cols[None, :] < N),
             other=0.0,
         )
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision=PRECISION)
+        acc = _mma(acc, a, b, UPCAST, PRECISION)
     tl.store(
         y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn,
         acc.to(y_ptr.dtype.element_ty),
@@ -100,10 +106,7 @@ def _wgrad_kernel(
             mask=(ms[:, None] < end) & (cols[None, :] < N),
             other=0.0,
         )
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision=PRECISION)
+        acc = _mma(acc, a, b, UPCAST, PRECISION)
     tl.store(
         dw_ptr + e * stride_dwe + ii[:, None] * stride_dwi + cols[None, :] * stride_dwn,
         acc.to(dw_ptr.dtype.element_ty),
