@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from .kernels import grouped_mm
 
@@ -39,10 +40,18 @@ class GroupedExperts(nn.Module):
                 nn.init.normal_(w, std=0.02)
 
     def forward(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
-        h = _ACT[self.activation](grouped_mm(x_MD, self.w1, counts_E, backend=self.backend))
-        if self.w3 is not None:
-            h = h * grouped_mm(x_MD, self.w3, counts_E, backend=self.backend)
-        return grouped_mm(h, self.w2, counts_E, backend=self.backend)
+        """``counts_E`` has one entry per expert held here: all E, or this rank's shard of them
+        once `moe.parallel.parallelize_moe` has made the weights DTensors (their local shards
+        are used; a hidden-dim shard gives a partial sum of the output)."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        h = _ACT[self.activation](grouped_mm(x_MD, w1, counts_E, backend=self.backend))
+        if w3 is not None:
+            h = h * grouped_mm(x_MD, w3, counts_E, backend=self.backend)
+        return grouped_mm(h, w2, counts_E, backend=self.backend)
+
+
+def _local(w: Tensor | None) -> Tensor | None:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class SharedExperts(nn.Module):

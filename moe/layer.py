@@ -2,7 +2,9 @@
 
 Legend: T tokens, D model dim, K slots per token, E experts, M kept slots.
 
-The layer holds no process group; parallelising it swaps pieces from outside.
+The layer holds no process group: `moe.parallel.parallelize_moe` sets ``layer.parallel`` from
+outside, and the forward calls its three steps (gather the tokens to route, run the experts,
+scatter the outputs back); without it the layer runs on one device.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class MoE(nn.Module):
             self.shared = SharedExperts(config.dim, width, config.num_shared_experts, config.activation)
         self.last_routing: RoutingResult | None = None
         self._pending_loss: Tensor | None = None
+        self.parallel = None  # set by moe.parallel.parallelize_moe
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter and buffer (e.g. after building on the meta device)."""
@@ -58,16 +61,21 @@ class MoE(nn.Module):
         if x.shape[-1] != cfg.dim:
             raise ValueError(f"x must have shape (..., D={cfg.dim}), got {tuple(x.shape)}")
         x_TD = x.reshape(-1, cfg.dim)
-        res = self.router(x_TD, seq_len=seq_len)  # raises on NaN / Inf input
-        xs, info = permute(x_TD, res.expert_idx, num_experts=cfg.num_experts, backend=cfg.backend)
-        ys = self.experts(xs, info.counts)
+        par = self.parallel
+        x_in = par.gather_tokens(x_TD) if par is not None else x_TD  # the tokens routed together
+        res = self.router(x_in, seq_len=seq_len)  # raises on NaN / Inf input
+        xs, info = permute(x_in, res.expert_idx, num_experts=cfg.num_experts, backend=cfg.backend)
+        ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
         gates = res.weights.to(ys.dtype)
         y_TD = unpermute(ys, info, gates, backend=cfg.backend)
+        loss = res.aux_loss + res.z_loss
+        if par is not None:
+            y_TD, gates, loss = par.scatter_tokens(y_TD), par.local_rows(gates), loss * par.loss_scale
         if cfg.combine == "sigmoid_residual":
             y_TD = y_TD + (1 - gates.sum(dim=1, keepdim=True)) * x_TD
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        self._pending_loss = res.aux_loss + res.z_loss
+        self._pending_loss = loss
         self.last_routing = dataclasses.replace(
             res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
         )

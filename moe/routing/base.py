@@ -25,6 +25,12 @@ class BaseRouter(GatedRouter):
     BASE's ``alpha * expert(x) + (1 - alpha) * x``.
     """
 
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        # the training assignment: (scores (T, E), k, max_iters=...) -> (T, K); replaced by
+        # moe.parallel.parallelize_moe(global_base=True) to balance over the expert-parallel group
+        self.assign = balanced_assignment
+
     def reset_parameters(self) -> None:
         # orthogonal centroids, small gain: distinct experts, gates start near sigmoid(0) = 0.5
         nn.init.orthogonal_(self.weight, gain=0.1)
@@ -39,7 +45,7 @@ class BaseRouter(GatedRouter):
         logits_TE = self.logits(x_TD)  # (T, E) token-centroid affinities
         check_seq_len(cfg, seq_len, x_TD.shape[0])
         if self.training:
-            idx_TK = balanced_assignment(logits_TE.detach(), cfg.top_k, max_iters=cfg.base_max_iters)
+            idx_TK = self.assign(logits_TE.detach(), cfg.top_k, max_iters=cfg.base_max_iters)
         else:
             idx_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices
         weights_TK = torch.sigmoid(logits_TE.gather(1, idx_TK))

@@ -27,6 +27,8 @@ class TopKRouter(GatedRouter):
       (DeepSeek-V3): it changes which experts are chosen, never the gate values. In training with
       ``config.bias_update_rate > 0`` every forward moves it, outside autograd, by
       ``rate * sign(mean_load - load_e)``, where loads count the selection before capacity drops.
+      ``sum_over_ranks`` (set by ``moe.parallel.parallelize_moe``) sums the loads over the ranks
+      that share this router, so the bias stays the same on all of them.
     - Group-limited routing (``n_groups > 1``): experts form ``n_groups`` contiguous groups; a
       group's score is the sum of its two best (biased) scores, one when a group has a single
       expert; each token may only choose experts of its ``topk_groups`` best groups.
@@ -48,6 +50,7 @@ class TopKRouter(GatedRouter):
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)
         self.register_buffer("bias", torch.zeros(config.num_experts))  # (E,) selection-only bias
+        self.sum_over_ranks = None  # Tensor -> Tensor summed over the ranks sharing this router
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -110,5 +113,10 @@ class TopKRouter(GatedRouter):
     def _update_bias(self, idx_TK: Tensor) -> None:
         num_experts = self.config.num_experts
         load_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts).float()
-        mean_load = idx_TK.numel() / num_experts
+        if self.sum_over_ranks is not None:
+            load_E = self.sum_over_ranks(torch.cat([load_E, load_E.new_tensor([idx_TK.numel()])]))
+            load_E, slots = load_E[:-1], load_E[-1]
+        else:
+            slots = idx_TK.numel()
+        mean_load = slots / num_experts
         self.bias.add_(self.config.bias_update_rate * torch.sign(mean_load - load_E).to(self.bias.dtype))
