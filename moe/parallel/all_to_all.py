@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-__all__ = ["all_to_all"]
+__all__ = ["all_gather_rows", "all_to_all", "reduce_scatter_rows"]
 
 
 def _splits(name: str, splits: Sequence[int], world: int) -> list[int]:
@@ -44,3 +44,27 @@ def all_to_all(x: Tensor, output_splits: Sequence[int], input_splits: Sequence[i
     if sum(ins) != x.shape[0]:
         raise ValueError(f"input_splits must sum to x's first dimension {x.shape[0]}, got {ins} (sum {sum(ins)})")
     return wait_tensor(all_to_all_single_autograd(x.contiguous(), outs, ins, group))
+
+
+def all_gather_rows(x: Tensor, sizes: Sequence[int], group=None) -> Tensor:
+    """Every rank's rows, stacked in rank order: ``sizes[j]`` rows from rank j (uneven allowed;
+    this rank's must be ``x.shape[0]``). Differentiable: the backward sums each rank's gradient
+    for this rank's rows (`reduce_scatter_rows`)."""
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(sizes) != world or sizes[rank] != x.shape[0]:
+        raise ValueError(f"sizes must hold {world} row counts with this rank's {x.shape[0]} at {rank}, got {sizes}")
+    sent = x.unsqueeze(0).expand(world, *x.shape).reshape(world * x.shape[0], *x.shape[1:])
+    return all_to_all(sent, sizes, [x.shape[0]] * world, group)
+
+
+def reduce_scatter_rows(y: Tensor, sizes: Sequence[int], group=None) -> Tensor:
+    """Sum ``y`` (rows of every rank, ``sizes[j]`` for rank j, stacked) over the ranks and keep
+    this rank's rows. Differentiable: the backward is `all_gather_rows` of the gradient."""
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(sizes) != world or sum(sizes) != y.shape[0]:
+        raise ValueError(f"sizes must hold {world} row counts summing to {y.shape[0]}, got {sizes}")
+    mine = sizes[rank]
+    parts = all_to_all(y, [mine] * world, list(sizes), group)
+    return parts.view(world, mine, *y.shape[1:]).sum(0)

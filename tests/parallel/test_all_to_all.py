@@ -1,26 +1,17 @@
 """all_to_all over gloo with 2 and 3 processes: uneven and empty splits, gradients, dtypes."""
 
-import datetime
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe.parallel import all_to_all
+
+from .launch import init, spawn
 
 pytestmark = pytest.mark.distributed
 
 # SENDS[r][j]: rows rank r sends to rank j (a rank that sends nothing, a pair that exchanges nothing)
 SENDS = {2: [[2, 3], [0, 1]], 3: [[1, 0, 2], [3, 1, 0], [0, 2, 2]]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rows_from(r: int, j: int, world: int, dtype) -> torch.Tensor:
@@ -30,9 +21,8 @@ def rows_from(r: int, j: int, world: int, dtype) -> torch.Tensor:
     return (100 * r + torch.arange(start, start + n)).to(dtype)[:, None].repeat(1, 3)
 
 
-def worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def worker(rank: int, world: int, store: str) -> None:
+    init(rank, world, store)
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
             check(rank, world, dtype)
@@ -61,4 +51,4 @@ def check(rank: int, world: int, dtype) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_to_all_uneven_splits_gradients_and_dtypes(world):
     # fp32, bf16 and int64 in one process group per world size (each spawn costs seconds)
-    mp.spawn(worker, args=(world, free_port()), nprocs=world, join=True)
+    spawn(worker, world)

@@ -1,20 +1,16 @@
 """Expert-parallel dispatch over gloo: EP=2 gives the single-process layer's outputs and
 gradients, tokens are conserved, a rank may have no tokens."""
 
-import datetime
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from moe import MoE, MoEConfig
 from moe.kernels import grouped_mm, permute, unpermute
 from moe.parallel import combine, dispatch
 
-from .test_all_to_all import free_port
+from .launch import init, spawn
 
 pytestmark = pytest.mark.distributed
 TOKENS = {2: [(7, 3), (0, 5)]}  # per scenario: tokens on each rank (rank 1 has none in the second)
@@ -30,9 +26,23 @@ def ep_forward(layer: MoE, x: torch.Tensor, rank: int, world: int, w1, w3, w2) -
     return unpermute(combine(y_local, dinfo), info, res.weights, backend="torch"), counts_local
 
 
-def worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def check_round_trip(layer: MoE, x: torch.Tensor, world: int) -> None:
+    """Identity experts: combine(dispatch(rows)) is the rows, bit for bit; the receive-split
+    matrix is the transpose of the send-split matrix."""
+    res = layer.router(x)
+    xs, info = permute(x, res.expert_idx, num_experts=layer.config.num_experts, backend="torch")
+    x_local, counts_local, dinfo = dispatch(xs, info.counts)
+    assert torch.equal(combine(x_local, dinfo), xs)
+    assert int(counts_local.sum()) == x_local.shape[0] == sum(dinfo.recv_splits)
+    send = [None] * world
+    recv = [None] * world
+    dist.all_gather_object(send, dinfo.send_splits)
+    dist.all_gather_object(recv, dinfo.recv_splits)
+    assert recv == [list(col) for col in zip(*send, strict=True)], (send, recv)
+
+
+def worker(rank: int, world: int, store: str) -> None:
+    init(rank, world, store)
     try:
         for tokens in TOKENS[world]:
             torch.manual_seed(0)  # the same global layer on every rank
@@ -56,9 +66,10 @@ def worker(rank: int, world: int, port: int) -> None:
             kept = torch.tensor([int((layer.last_routing.expert_idx >= 0).sum()), int(counts_local.sum())])
             dist.all_reduce(kept)
             assert kept[0] == kept[1]  # tokens are conserved across ranks
+            check_round_trip(layer, x, world)
     finally:
         dist.destroy_process_group()
 
 
 def test_ep2_matches_single_process_layer():
-    mp.spawn(worker, args=(2, free_port()), nprocs=2, join=True)
+    spawn(worker, 2)

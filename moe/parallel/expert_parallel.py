@@ -1,0 +1,284 @@
+"""`parallelize_moe`: spread the experts of built `MoE` layers over a DeviceMesh, from outside.
+
+Legend: W ranks in the expert-parallel ("ep") group, E experts, El = E / W per rank, F expert
+hidden dim, Wt ranks in the expert-tensor-parallel ("etp") group, T tokens on this rank.
+
+Layouts (docs/parallel.md):
+- ep: rank r of the ep group owns experts [r*El, (r+1)*El); the expert weights become DTensors
+  with ``Shard(0)`` on the ep dimension. Tokens stay data-parallel: each rank routes its own
+  and the dispatcher sends their rows to the owning ranks and back (`dispatch` / `combine`).
+- etp: each expert's F is sharded too (w1, w3 ``Shard(2)``, w2 ``Shard(1)``). The input is in
+  sequence-parallel layout: each etp rank holds a contiguous block of the group's tokens. They
+  are gathered over etp, routed together (the same routing on every etp rank), the experts
+  give partial sums over F, and a reduce-scatter over etp sums them and hands each rank its
+  block back.
+- Any other mesh dimension is data parallel: experts are replicated over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..layer import MoE
+from ..routing import BaseRouter, TopKRouter, balanced_assignment, expert_capacities
+from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
+from .dispatch import combine, dispatch
+
+__all__ = ["ExpertParallel", "GroupBalance", "parallelize_moe", "reduce_gradients"]
+
+
+def _exchange_sizes(n: int, group, device: torch.device) -> list[int]:
+    """Every rank's ``n`` in rank order (one small all-to-all and a host sync)."""
+    world = dist.get_world_size(group)
+    sizes = all_to_all(torch.full((world,), n, dtype=torch.int64, device=device), [1] * world, [1] * world, group)
+    return sizes.tolist()
+
+
+class GroupBalance:
+    """`BaseRouter.assign` over a group: the scores of every rank are gathered, every rank solves
+    the same balanced assignment over all of them and keeps its own rows, so each expert gets
+    exactly its share of the group's tokens. Cost per call: the gather (each rank receives the
+    group's (sum T, E) fp32 scores) and a solve over sum T tokens on every rank."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
+        sizes = _exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
+        rows = all_gather_rows(scores_TE.detach(), sizes, self.group)  # the same (sum T, E) everywhere
+        idx = balanced_assignment(rows, k, **options)
+        start = sum(sizes[: dist.get_rank(self.group)])
+        return idx[start : start + scores_TE.shape[0]]
+
+
+class _MeshSum:
+    """Sum a tensor over every rank of a mesh (one all-reduce per mesh dimension)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def __call__(self, t: Tensor) -> Tensor:
+        t = t.clone()
+        for dim in range(self.mesh.ndim):
+            dist.all_reduce(t, group=self.mesh.get_group(dim))
+        return t
+
+
+class ExpertParallel:
+    """The parallel steps of one layer, set as ``layer.parallel`` by `parallelize_moe`.
+
+    ``static_splits``: the caller's promise that every rank routes the same number of tokens in
+    every call. BASE routing in training (per-rank balance) then sends exactly the balanced
+    loads, known on the host, so the count exchange and its host sync are skipped.
+    """
+
+    def __init__(self, mesh: DeviceMesh, ep: str, etp: str | None, static_splits: bool) -> None:
+        self.mesh, self.ep, self.etp, self.static_splits = mesh, ep, etp, static_splits
+        self.ep_group = mesh.get_group(ep)
+        self.etp_group = mesh.get_group(etp) if etp is not None else None
+        self.etp_size = dist.get_world_size(self.etp_group) if etp is not None else 1
+        self.loss_scale = 1.0 / self.etp_size  # the etp ranks route the same tokens: count the loss once
+        self._sizes: list[int] | None = None  # rows of each etp rank in the current forward
+
+    def gather_tokens(self, x_TD: Tensor) -> Tensor:
+        """This rank's tokens -> the tokens routed together (the etp group's, in rank order)."""
+        if self.etp_group is None:
+            return x_TD
+        n = x_TD.shape[0]
+        self._sizes = [n] * self.etp_size if self.static_splits else _exchange_sizes(n, self.etp_group, x_TD.device)
+        return all_gather_rows(x_TD, self._sizes, self.etp_group)
+
+    def run_experts(self, layer: MoE, xs_MD: Tensor, counts_E: Tensor, routing) -> Tensor:
+        """Expert-sorted rows of the routed tokens -> the experts' outputs, in the same order."""
+        known = None
+        router = layer.router
+        if (
+            self.static_splits
+            and isinstance(router, BaseRouter)
+            and router.training
+            and router.assign is balanced_assignment
+        ):
+            num_tokens, k = routing.expert_idx.shape
+            known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()
+        x_local, counts_local, info = dispatch(xs_MD, counts_E, self.ep_group, known_counts=known)
+        return combine(layer.experts(x_local, counts_local), info)
+
+    def scatter_tokens(self, y_TD: Tensor) -> Tensor:
+        """Outputs of the routed tokens (partial sums over F under etp) -> this rank's rows."""
+        if self.etp_group is None:
+            return y_TD
+        return reduce_scatter_rows(y_TD, self._sizes, self.etp_group)
+
+    def local_rows(self, t: Tensor) -> Tensor:
+        """Rows of a per-routed-token tensor that belong to this rank's tokens."""
+        if self.etp_group is None:
+            return t
+        rank = dist.get_rank(self.etp_group)
+        start = sum(self._sizes[:rank])
+        return t[start : start + self._sizes[rank]]
+
+
+def _mesh_dim(mesh: DeviceMesh, name: str | None, arg: str) -> int | None:
+    names = mesh.mesh_dim_names or ()
+    if name is None:
+        return None
+    if name not in names:
+        raise ValueError(f"{arg} must name a dimension of the mesh, whose dimensions are {names}; got {name!r}")
+    return names.index(name)
+
+
+def _check_agreement(layers: list[tuple[str, MoE]], mesh: DeviceMesh, options: dict) -> None:
+    """Raise ValueError on every rank if any rank of the mesh has other layers or options."""
+    mine = {"options": options, "layers": [(name, dataclasses.asdict(layer.config)) for name, layer in layers]}
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        for rank, theirs in enumerate(gathered):
+            if theirs == mine:
+                continue
+            where = f"the MoE layers: {[n for n, _ in mine['layers']]} here, {[n for n, _ in theirs['layers']]} there"
+            pairs = [("parallelize_moe options", mine["options"], theirs["options"])]
+            if len(theirs["layers"]) == len(mine["layers"]):
+                pairs += [
+                    (f"layer {a!r}", cfg, other)
+                    for (a, cfg), (_, other) in zip(mine["layers"], theirs["layers"], strict=True)
+                ]
+            for what, here, there in pairs:
+                diff = {k: (v, there.get(k)) for k, v in here.items() if there.get(k) != v}
+                if diff:
+                    where = f"{what}: (here, there) {diff}"
+                    break
+            raise ValueError(
+                f"ranks disagree on the MoE configuration: global rank {dist.get_global_rank(group, rank)} "
+                f"(mesh dimension {mesh.mesh_dim_names[dim]!r}) differs from this rank in {where}"
+            )
+
+
+@torch.no_grad()
+def _broadcast(t: Tensor, mesh: DeviceMesh) -> None:
+    """Give every rank the value at mesh coordinate (0, ..., 0)."""
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
+
+
+def parallelize_moe(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    ep: str = "ep",
+    etp: str | None = None,
+    static_splits: bool = False,
+    global_base: bool = False,
+) -> nn.Module:
+    """Spread the experts of every `MoE` layer in ``module`` over ``mesh``; returns ``module``.
+
+    Args:
+        mesh: names its dimensions; the ``ep`` one shards the experts, the ``etp`` one (if
+            given) shards each expert's hidden dim with sequence-parallel input, the others
+            replicate the experts (data parallel).
+        static_splits: every rank routes the same number of tokens in every call (fixed batch
+            shape); BASE layers in training then skip the count exchange (see `ExpertParallel`).
+        global_base: BASE layers balance over the whole ep group (`GroupBalance`) instead of
+            per rank.
+
+    Every rank must call this with the same model and options (checked: a ValueError on every
+    rank otherwise). The MoE layers' other parameters and buffers are broadcast from the mesh's
+    first rank and the expert weights scattered from it, so all ranks start from its values.
+    Gradients: see `reduce_gradients`.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
+    if ep_dim == etp_dim:
+        raise ValueError(f"ep and etp must name different mesh dimensions, got {ep!r} for both")
+    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"module holds no MoE layer to parallelise ({type(module).__name__})")
+    for name, layer in layers:
+        if layer.parallel is not None:
+            raise ValueError(f"MoE layer {name!r} is already parallelised")
+    options = {
+        "ep": ep,
+        "etp": etp,
+        "static_splits": static_splits,
+        "global_base": global_base,
+        "mesh": tuple(mesh.shape),
+    }
+    _check_agreement(layers, mesh, options)
+    ep_size = mesh.size(ep_dim)
+    etp_size = mesh.size(etp_dim) if etp_dim is not None else 1
+    for name, layer in layers:
+        cfg = layer.config
+        if cfg.num_experts % ep_size:
+            raise ValueError(
+                f"layer {name!r}: num_experts={cfg.num_experts} must be divisible by the ep size, {ep_size}"
+            )
+        if cfg.hidden_dim % etp_size:
+            raise ValueError(
+                f"layer {name!r}: hidden_dim={cfg.hidden_dim} must be divisible by the etp size, {etp_size}"
+            )
+        if global_base and cfg.router != "base":
+            raise ValueError(f"global_base=True needs BASE routers; layer {name!r} has router={cfg.router!r}")
+    for _, layer in layers:
+        for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+            if not name.startswith("experts."):
+                _broadcast(t.data, mesh)
+        ex = layer.experts
+        for wname, hidden in (("w1", 2), ("w3", 2), ("w2", 1)):
+            w = getattr(ex, wname)
+            if w is None:
+                continue
+            placements = [Replicate()] * mesh.ndim
+            placements[ep_dim] = Shard(0)
+            if etp_dim is not None:
+                placements[etp_dim] = Shard(hidden)
+            shard = distribute_tensor(w.detach(), mesh, placements)
+            setattr(ex, wname, nn.Parameter(shard, requires_grad=w.requires_grad))
+        layer.parallel = ExpertParallel(mesh, ep, etp, static_splits)
+        if global_base:
+            layer.router.assign = GroupBalance(layer.parallel.ep_group)
+        if isinstance(layer.router, TopKRouter):
+            layer.router.sum_over_ranks = _MeshSum(mesh)
+    return module
+
+
+@torch.no_grad()
+def reduce_gradients(module: nn.Module, mesh: DeviceMesh, *, op: str = "avg") -> None:
+    """Reduce the gradients of a model parallelised by `parallelize_moe` over ``mesh``.
+
+    The rule: every rank's loss covers its own tokens, and the target is the gradient of the sum
+    (``op="sum"``) or the mean (``op="avg"``) of the ranks' losses.
+    - Expert weights (DTensors on ``mesh``): each rank's shard already holds the gradient from
+      every token its experts received, so it is summed only over the mesh dimensions that
+      replicate it (data parallel), never over ep or etp.
+    - Every other parameter is replicated: summed over the whole mesh.
+    - "avg" then divides both by the number of ranks in the mesh.
+    A parameter without a gradient counts as zero, so all ranks take part in every reduction.
+    """
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad
+        if isinstance(g, DTensor):
+            if g.device_mesh != mesh:
+                raise ValueError(f"parameter {name!r} is a DTensor on another mesh ({g.device_mesh}); reduce it there")
+            dims = [d for d, pl in enumerate(g.placements) if pl.is_replicate()]
+            g = g.to_local()
+        else:
+            dims = range(mesh.ndim)
+        for dim in dims:
+            dist.all_reduce(g, group=mesh.get_group(dim))
+        if op == "avg":
+            g.div_(mesh.size())

@@ -1,0 +1,21 @@
+"""Launch a test across processes: gloo over a file store (no port to race for), a timeout on
+every group so a bug fails the test instead of hanging it."""
+
+import datetime
+import os
+import tempfile
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, store, *args)`` in ``world`` processes; re-raises a worker's error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=True)
+
+
+def init(rank: int, world: int, store: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )

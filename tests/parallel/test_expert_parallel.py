@@ -1,0 +1,240 @@
+"""parallelize_moe over gloo: EP=2, EP=4, EP=2 x ETP=2 and DP=2 x EP=2 give the single-process
+layer's outputs and gradients for every router; BASE's static splits skip the count exchange;
+global BASE balances over the group; ranks that disagree fail; checkpoints move between EP sizes.
+
+The reference for a rank is the unparallelised layer applied to the tokens routed together with
+that rank's (its own, or its etp group's under expert-tensor parallelism)."""
+
+import contextlib
+import copy
+import importlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from moe import MoE, MoEConfig, aux_loss
+from moe.parallel import parallelize_moe, reduce_gradients
+from moe.routing import expert_capacities
+
+from .launch import init, spawn
+
+pytestmark = pytest.mark.distributed
+a2a_module = importlib.import_module("moe.parallel.all_to_all")  # the module, not the function
+
+CASES = {
+    "base": dict(router="base", top_k=1, combine="sigmoid_residual", num_shared_experts=1),
+    "base-k2": dict(router="base", top_k=2),
+    "topk": dict(router="topk", top_k=2, aux_loss_coef=0.01, z_loss_coef=1e-3, capacity_factor=1.0),
+    "topk-bias": dict(router="topk", top_k=2, router_options={"score_func": "sigmoid", "bias_update_rate": 0.01}),
+    "sinkhorn": dict(router="sinkhorn", top_k=1, aux_loss_coef=0.01),
+    "expert_choice": dict(router="expert_choice", top_k=2),
+}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def build(case: str, seed: int = 0, **overrides) -> MoE:
+    torch.manual_seed(seed)
+    return MoE(MoEConfig(**{"dim": 8, "hidden_dim": 12, "num_experts": 4, **CASES[case], **overrides}))
+
+
+def tokens_of(case: str, rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, 8, generator=torch.Generator().manual_seed(1000 * len(case) + 17 * rank + n))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def check_layer(case: str, mesh, tokens: list[int], etp: str | None = None, **options) -> None:
+    """Outputs, input and parameter gradients of the parallel layer equal the reference's."""
+    rank = dist.get_rank()
+    layer = build(case)
+    ref = copy.deepcopy(layer)
+    parallelize_moe(layer, mesh, etp=etp, **options)
+    group = dist.get_process_group_ranks(mesh.get_group(etp)) if etp else [rank]
+    blocks = [tokens_of(case, r, tokens[r]) for r in group]
+    start = sum(tokens[r] for r in group[: group.index(rank)])
+    scale = torch.linspace(-1, 1, 8)
+
+    x_full = torch.cat(blocks).requires_grad_()
+    y_full = ref(x_full)
+    ((y_full * scale).sum() + aux_loss(ref)).backward()
+    x = blocks[group.index(rank)].clone().requires_grad_()
+    y = layer(x)
+    ((y * scale).sum() + aux_loss(layer)).backward()
+
+    mine = slice(start, start + tokens[rank])
+    torch.testing.assert_close(y, y_full[mine], **TOL, msg=lambda m: f"{case} output: {m}")
+    torch.testing.assert_close(x.grad, x_full.grad[mine], **TOL, msg=lambda m: f"{case} x.grad: {m}")
+    reduce_gradients(layer, mesh, op="sum")
+    params = dict(layer.named_parameters())
+    for name, p in ref.named_parameters():
+        expect = p.grad.clone()
+        dist.all_reduce(expect)
+        expect /= len(group)  # the ranks of a group computed the same reference
+        got = full(params[name].grad)
+        torch.testing.assert_close(got, expect, **TOL, msg=lambda m, n=name: f"{case} {n}.grad: {m}")
+    if case == "topk-bias":  # the bias moved by the loads summed over every rank
+        load = torch.bincount(ref.last_routing.expert_idx.flatten(), minlength=4).float()
+        slots = torch.tensor([float(ref.last_routing.expert_idx.numel())])
+        dist.all_reduce(load)
+        dist.all_reduce(slots)
+        expect = 0.01 * torch.sign(slots / 4 - load)
+        torch.testing.assert_close(layer.router.bias, expect, msg=lambda m: f"bias: {m}")
+
+
+@contextlib.contextmanager
+def counting_all_to_all():
+    """Count the all-to-alls moe.parallel issues."""
+    calls = []
+    inner = a2a_module.all_to_all_single_autograd
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    a2a_module.all_to_all_single_autograd = counted
+    try:
+        yield calls
+    finally:
+        a2a_module.all_to_all_single_autograd = inner
+
+
+def check_static_splits(mesh) -> None:
+    """BASE with static splits: two all-to-alls per forward instead of three, same numbers."""
+    for case, n in (("base-k2", 6), ("base", 5)):  # 5 tokens on 4 experts: uneven loads
+        x = tokens_of(case, dist.get_rank(), n)
+        outputs = {}
+        for static in (False, True):
+            layer = parallelize_moe(build(case), mesh, static_splits=static)
+            with counting_all_to_all() as calls:
+                outputs[static] = layer(x)
+            assert len(calls) == (2 if static else 3), (case, static, len(calls))
+        torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=0)
+        check_layer(case, mesh, [n] * dist.get_world_size(), static_splits=True)
+
+
+def check_global_base(mesh, tokens: list[int]) -> None:
+    """Global BASE: every expert gets exactly its share of the group's tokens; the result is the
+    single-process layer's on all the group's tokens."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for case in ("base", "base-k2"):
+        layer = build(case)
+        ref = copy.deepcopy(layer)
+        parallelize_moe(layer, mesh, global_base=True)
+        blocks = [tokens_of(case, r, tokens[r]) for r in range(world)]
+        y = layer(blocks[rank])
+        y_ref = ref(torch.cat(blocks))
+        start = sum(tokens[:rank])
+        torch.testing.assert_close(y, y_ref[start : start + tokens[rank]], **TOL)
+        counts = layer.last_routing.counts.clone()
+        dist.all_reduce(counts)
+        k = layer.config.top_k
+        assert torch.equal(counts, expert_capacities(sum(tokens), 4, k)), (case, counts)
+
+
+def check_disagreement(mesh) -> None:
+    """A rank with another configuration: every rank raises, none hangs."""
+    layer = build("topk", hidden_dim=12 if dist.get_rank() == 0 else 16)
+    with pytest.raises(ValueError, match="disagree.*hidden_dim"):
+        parallelize_moe(layer, mesh)
+    with pytest.raises(ValueError, match="static_splits"):
+        parallelize_moe(build("topk"), mesh, static_splits=dist.get_rank() == 1)
+
+
+def worker_ep2(rank: int, world: int, store: str) -> None:
+    init(rank, world, store)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+        for case in CASES:
+            for tokens in ([7, 3], [5, 0]):  # uneven; a rank without tokens
+                check_layer(case, mesh, tokens)
+        check_static_splits(mesh)
+        check_global_base(mesh, [7, 3])
+        check_disagreement(mesh)
+        check_bad_arguments(mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def worker_ep4(rank: int, world: int, store: str) -> None:
+    init(rank, world, store)
+    try:
+        ep4 = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        ep_etp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
+        dp_ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        for case in CASES:
+            check_layer(case, ep4, [5, 0, 3, 6])
+            check_layer(case, ep_etp, [4, 3, 0, 5], etp="etp")
+            check_layer(case, dp_ep, [2, 5, 4, 1])
+        check_layer("base-k2", ep_etp, [4, 4, 4, 4], etp="etp", static_splits=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep2_every_router():
+    spawn(worker_ep2, 2)
+
+
+def test_ep4_etp_and_dp_every_router():
+    spawn(worker_ep4, 4)
+
+
+def worker_checkpoint(rank: int, world: int, store: str, path: str) -> None:
+    init(rank, world, store)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        if world == 2:  # save at EP=2
+            layer = parallelize_moe(build("topk-bias"), mesh)
+            layer(tokens_of("topk-bias", rank, 6))  # moves the bias buffer too
+            dcp.save(layer.state_dict(), checkpoint_id=path)
+        else:  # load at EP=4 into a layer built from another seed
+            layer = parallelize_moe(build("topk-bias", seed=1), mesh)
+            state = layer.state_dict()
+            dcp.load(state, checkpoint_id=path)
+            expect = torch.load(os.path.join(path, "expect.pt"))
+            for name, value in layer.state_dict().items():
+                torch.testing.assert_close(full(value), expect[name], rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # EP=1 loads without a group, on purpose
+def test_checkpoint_moves_between_ep_sizes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    spawn(worker_checkpoint, 2, path)
+    # EP=1: one process, no process group, plain tensors
+    layer = build("topk-bias", seed=1)
+    state = layer.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    saved = build("topk-bias")  # what was saved: the seed-0 layer, bias moved by the step
+    assert not torch.equal(layer.router.bias, saved.router.bias)  # the step moved it
+    for name, value in saved.state_dict().items():
+        if name != "router.bias":
+            torch.testing.assert_close(layer.state_dict()[name], value, rtol=0, atol=0)
+    torch.save(layer.state_dict(), os.path.join(path, "expect.pt"))
+    spawn(worker_checkpoint, 4, path)
+
+
+def check_bad_arguments(mesh) -> None:
+    """Bad arguments raise ValueError naming the argument, on every rank alike."""
+    with pytest.raises(ValueError, match="ep must name a dimension"):
+        parallelize_moe(build("topk"), mesh, ep="experts")
+    with pytest.raises(ValueError, match="different mesh dimensions"):
+        parallelize_moe(build("topk"), mesh, etp="ep")
+    with pytest.raises(ValueError, match="no MoE layer"):
+        parallelize_moe(torch.nn.Linear(2, 2), mesh)
+    with pytest.raises(ValueError, match="num_experts=3 must be divisible"):
+        parallelize_moe(build("topk", num_experts=3), mesh)
+    with pytest.raises(ValueError, match="global_base=True needs BASE"):
+        parallelize_moe(build("topk"), mesh, global_base=True)
+    layer = parallelize_moe(build("topk"), mesh)
+    with pytest.raises(ValueError, match="already parallelised"):
+        parallelize_moe(layer, mesh)
+    with pytest.raises(ValueError, match="op must be"):
+        reduce_gradients(layer, mesh, op="mean")
