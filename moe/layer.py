@@ -3,8 +3,8 @@
 Legend: T tokens, D model dim, K slots per token, E experts, M kept slots.
 
 The layer holds no process group: `moe.parallel.parallelize_moe` sets ``layer.parallel`` from
-outside, and the forward calls its three steps (gather the tokens to route, run the experts,
-scatter the outputs back); without it the layer runs on one device.
+outside, and the forward calls its steps (gather the tokens to route, order the rows for
+sending, run the experts, scatter the outputs back); without it the layer runs on one device.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class MoE(nn.Module):
         par = self.parallel
         x_in = par.gather_tokens(x_TD) if par is not None else x_TD  # the tokens routed together
         res = self.router(x_in, seq_len=seq_len)  # raises on NaN / Inf input
-        xs, info = permute(x_in, res.expert_idx, num_experts=cfg.num_experts, backend=cfg.backend)
+        keys = res.expert_idx if par is None else par.sort_key(res.expert_idx)  # the order rows are sent in
+        xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend)
         ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
         gates = res.weights.to(ys.dtype)
         y_TD = unpermute(ys, info, gates, backend=cfg.backend)

@@ -35,3 +35,24 @@ def test_moe_layer_benchmark_compares_with_mixtral_and_dense():
     assert names[0] == "ours (moe.MoE)" and names[-1] == "dense SwiGLU (same FLOPs)"
     assert "transformers Mixtral (eager)" in names
     assert rows[-1]["x_dense"] == 1.0 and rows[0]["ours_speedup"] == 1.0
+
+
+def test_all_to_all_benchmark_rows(tmp_path):
+    """One process (a group of one) runs the sweep and the dispatcher comparison."""
+    import torch.distributed as dist
+
+    from benchmarks import all_to_all
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sweep = all_to_all.sweep([1024, 4096], repeats=1, device=torch.device("cpu"))
+        assert [r["bytes"] for r in sweep] == [1024, 4096] and all(r["busbw"] == 0 for r in sweep)
+        rows = all_to_all.dispatcher(64, 16, 4, torch.float32, repeats=1, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert {(r["routing"], r["strategy"]) for r in rows} == {
+        (routing, strategy)
+        for routing in ("top-k (K=2), counted", "BASE (K=2), counted", "BASE (K=2), static splits")
+        for strategy in ("resort", "per_expert")
+    }
+    assert all(r["rows_sent"] == 128 and r["ms_raw"] > 0 for r in rows)

@@ -1,14 +1,27 @@
-"""Expert-parallel dispatch: send expert-sorted rows to the ranks that own the experts, and back.
+"""Expert-parallel dispatch: send rows to the ranks that own their experts, and back.
 
 Legend: W ranks in the expert-parallel group, E experts, El = E / W experts per rank (rank r owns
-experts [r*El, (r+1)*El)), M rows sorted by expert on this rank, M' rows this rank's experts get.
+experts [r*El, (r+1)*El)), M rows on this rank, M' rows this rank's experts get.
 
-dispatch: the per-expert counts are exchanged first (one small all-to-all), so every rank knows
-how many rows it receives from each rank for each of its experts; the rows then travel with one
-all-to-all and are re-sorted from (source rank, expert) to (expert, source rank) order, so each
-local expert's rows are contiguous for the grouped GEMM. combine undoes both steps. Both are
-differentiable. Host syncs: one, to read the exchanged counts; none when the counts are known
-in advance (``known_counts``: BASE's static splits).
+The per-expert counts are exchanged first (one small all-to-all), so every rank knows how many
+rows it receives from each rank for each of its experts. The rows then travel so that each
+local expert's rows arrive contiguous (expert-major, then by source rank), ready for the grouped
+GEMM. Two ways to get there (``strategy``):
+
+- "resort": the rows are sent sorted by global expert (so by destination rank), one all-to-all
+  moves them, and a local gather re-sorts them from (source rank, expert) to (expert, source
+  rank) order. One collective per direction plus one extra pass over the rows in memory.
+- "per_expert": the rows are sent sorted by (local expert index, destination rank), and El
+  all-to-alls, one per local expert index, write each expert's rows straight into place. No
+  re-sort pass, El collectives per direction.
+- "auto": "per_expert" off CUDA, where a pass over memory costs about as much as the loopback
+  all-to-all itself (docs/benchmarks.md); "resort" on CUDA, where it is cheap next to the
+  interconnect and one collective beats El.
+
+`send_key` gives the sort key of each slot for a strategy; sort by it (``moe.kernels.permute``)
+before `dispatch`. `combine` undoes `dispatch`. Both are differentiable. Host syncs: one, to read
+the exchanged counts; none when the counts are known in advance (``known_counts``: BASE's static
+splits).
 """
 
 from __future__ import annotations
@@ -21,30 +34,88 @@ from torch import Tensor
 
 from .all_to_all import all_to_all
 
-__all__ = ["DispatchInfo", "combine", "dispatch"]
+__all__ = ["STRATEGIES", "DispatchInfo", "combine", "dispatch", "resolve_strategy", "send_key"]
+
+STRATEGIES = ("auto", "resort", "per_expert")
 
 
 @dataclass(frozen=True)
 class DispatchInfo:
-    send_splits: list[int]  # (W,) rows sent to each rank
-    recv_splits: list[int]  # (W,) rows received from each rank
-    local_order: Tensor  # (M',) received row of each local row (expert-major order)
+    strategy: str  # "resort" or "per_expert"
+    send: list[list[int]]  # (W, El): rows sent to rank j for its local expert e
+    recv: list[list[int]]  # (W, El): rows received from rank j for local expert e
+    order: Tensor | None  # resort: received row of each local row; None when it is the identity
+    inverse: Tensor | None  # resort: local row of each received row
     group: object  # the process group
 
 
+def resolve_strategy(strategy: str, device: torch.device) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "auto":
+        return "resort" if device.type == "cuda" else "per_expert"
+    return strategy
+
+
+def send_key(expert_idx: Tensor, num_experts: int, world: int, strategy: str) -> Tensor:
+    """The key to sort slots by before `dispatch` ("auto" resolved for ``expert_idx``'s device):
+    the global expert for "resort", ``local index * W + owner rank`` for "per_expert".
+    Dropped slots (-1) stay -1."""
+    if resolve_strategy(strategy, expert_idx.device) == "resort":
+        return expert_idx
+    per_rank = num_experts // world
+    key = (expert_idx % per_rank) * world + torch.div(expert_idx, per_rank, rounding_mode="floor")
+    return torch.where(expert_idx >= 0, key, expert_idx)
+
+
+def _move_blocks(x: Tensor, send_by_e: list[list[int]], recv_by_e: list[list[int]], group) -> Tensor:
+    """One all-to-all per local expert index e: block e of ``x`` (rows for local expert e of
+    each rank, by rank) goes out, block e of the result (rows from each rank) comes in."""
+    out = x.new_empty(sum(map(sum, recv_by_e)), *x.shape[1:])
+    src = dst = 0
+    for ins, outs in zip(send_by_e, recv_by_e, strict=True):
+        n_in, n_out = sum(ins), sum(outs)
+        dist.all_to_all_single(out[dst : dst + n_out], x[src : src + n_in], outs, ins, group=group)
+        src, dst = src + n_in, dst + n_out
+    return out
+
+
+class _ExpertBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_by_e, recv_by_e, group):
+        ctx.splits, ctx.group = (send_by_e, recv_by_e), group
+        return _move_blocks(x.contiguous(), send_by_e, recv_by_e, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_by_e, recv_by_e = ctx.splits
+        return _move_blocks(grad.contiguous(), recv_by_e, send_by_e, ctx.group), None, None, None
+
+
+def _transpose(m: list[list[int]]) -> list[list[int]]:
+    return [list(col) for col in zip(*m, strict=True)]
+
+
 def dispatch(
-    x_MD: Tensor, counts_E: Tensor, group=None, *, known_counts: list[int] | None = None
+    x_MD: Tensor,
+    counts_E: Tensor,
+    group=None,
+    *,
+    known_counts: list[int] | None = None,
+    strategy: str = "auto",
 ) -> tuple[Tensor, Tensor, DispatchInfo]:
-    """Rows sorted by (global) expert on this rank -> rows of this rank's experts, sorted by local
+    """Rows sorted by `send_key` on this rank -> rows of this rank's experts, sorted by local
     expert: returns x_local (M', D), local counts (El,), and the info `combine` needs.
 
-    ``known_counts``: the (E,) per-expert row counts when every rank of the group is known to
-    send exactly these (BASE's balanced loads with the same number of tokens on every rank). The
-    splits then follow on the host: no count exchange and no device-to-host sync. It is the
-    caller's contract that they hold on every rank; ``counts_E`` is not read.
+    ``counts_E``: rows per key (E,), as `moe.kernels.permute` returns them for the sorted keys.
+    ``known_counts``: the (E,) rows per global expert when every rank of the group is known to
+    send exactly these (BASE's balanced loads with the same number of tokens on every rank).
+    The splits then follow on the host: no count exchange and no device-to-host sync. It is
+    the caller's contract that they hold on every rank; ``counts_E`` is not read.
     """
     group = group or dist.group.WORLD
-    world = dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    strategy = resolve_strategy(strategy, x_MD.device)
     num_experts = counts_E.numel()
     if num_experts % world:
         raise ValueError(f"the {num_experts} experts must split evenly over the {world} ranks of the group")
@@ -54,30 +125,38 @@ def dispatch(
             raise ValueError(
                 f"known_counts must hold {num_experts} counts summing to the {x_MD.shape[0]} rows, got {known_counts}"
             )
-        rank = dist.get_rank(group)
         send = [list(known_counts[j * per_rank : (j + 1) * per_rank]) for j in range(world)]
-        recv = [list(known_counts[rank * per_rank : (rank + 1) * per_rank])] * world
-        recv_WE = torch.tensor(recv, dtype=torch.int64).to(x_MD.device, non_blocking=True)
+        recv = [send[rank]] * world
     else:
-        send_E = counts_E.to(torch.int64)
-        recv_WE = all_to_all(send_E, [per_rank] * world, [per_rank] * world, group).view(world, per_rank)
-        send, recv = send_E.view(world, per_rank).tolist(), recv_WE.tolist()  # host sync: the sizes
-    send_splits, recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
-    x_recv = all_to_all(x_MD, recv_splits, send_splits, group)
+        c = counts_E.to(torch.int64)
+        send_WE = c.view(world, per_rank) if strategy == "resort" else c.view(per_rank, world).T.contiguous()
+        recv_WE = all_to_all(send_WE, [1] * world, [1] * world, group)
+        send, recv = send_WE.tolist(), recv_WE.tolist()  # host sync: the sizes
+    counts_local = torch.tensor([sum(col) for col in zip(*recv, strict=True)], dtype=torch.int64)
+    counts_local = counts_local.to(x_MD.device, non_blocking=True)
+    if strategy == "per_expert":
+        x_local = _ExpertBlocks.apply(x_MD, _transpose(send), _transpose(recv), group)
+        return x_local, counts_local, DispatchInfo(strategy, send, recv, None, None, group)
+    x_recv = all_to_all(x_MD, [sum(row) for row in recv], [sum(row) for row in send], group)
+    if per_rank == 1 or world == 1:  # (source, expert) order is already (expert, source) order
+        return x_recv, counts_local, DispatchInfo(strategy, send, recv, None, None, group)
     # received layout: by source rank, then expert; local layout: by expert, then source rank
-    total = sum(recv_splits)
-    flat = recv_WE.reshape(-1)
-    lens = recv_WE.T.reshape(-1)  # (El * W,) expert-major
-    starts = (torch.cumsum(flat, 0) - flat).view(world, per_rank).T.reshape(-1)
-    seg_start = torch.cumsum(lens, 0) - lens
-    offset = torch.arange(total, device=x_MD.device) - torch.repeat_interleave(seg_start, lens, output_size=total)
-    local_order = torch.repeat_interleave(starts, lens, output_size=total) + offset
-    info = DispatchInfo(send_splits, recv_splits, local_order, group)
-    return x_recv[local_order], recv_WE.sum(0), info
+    starts, segments = [], []
+    pos = 0
+    for row in recv:
+        starts.append([pos + sum(row[:e]) for e in range(per_rank)])
+        pos += sum(row)
+    for e in range(per_rank):
+        segments += [(starts[j][e], recv[j][e]) for j in range(world)]
+    order = torch.cat([torch.arange(s, s + n) for s, n in segments]).to(x_MD.device, non_blocking=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return x_recv[order], counts_local, DispatchInfo(strategy, send, recv, order, inverse, group)
 
 
 def combine(y_local: Tensor, info: DispatchInfo) -> Tensor:
     """The inverse of `dispatch` for the experts' outputs: (M', D) local rows -> (M, D) in this
-    rank's original expert-sorted order."""
-    y_recv = torch.zeros_like(y_local).index_copy(0, info.local_order, y_local)
-    return all_to_all(y_recv, info.send_splits, info.recv_splits, info.group)
+    rank's send order."""
+    if info.strategy == "per_expert":
+        return _ExpertBlocks.apply(y_local, _transpose(info.recv), _transpose(info.send), info.group)
+    y_recv = y_local if info.inverse is None else y_local[info.inverse]
+    return all_to_all(y_recv, [sum(row) for row in info.send], [sum(row) for row in info.recv], info.group)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..layer import MoE
 from ..routing import BaseRouter, TopKRouter, balanced_assignment, expert_capacities
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
-from .dispatch import combine, dispatch
+from .dispatch import STRATEGIES, combine, dispatch, resolve_strategy, send_key
 
 __all__ = ["ExpertParallel", "GroupBalance", "parallelize_moe", "reduce_gradients"]
 
@@ -78,9 +78,21 @@ class ExpertParallel:
     loads, known on the host, so the count exchange and its host sync are skipped.
     """
 
-    def __init__(self, mesh: DeviceMesh, ep: str, etp: str | None, static_splits: bool) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        num_experts: int,
+        *,
+        ep: str = "ep",
+        etp: str | None = None,
+        static_splits: bool = False,
+        strategy: str = "auto",
+    ) -> None:
         self.mesh, self.ep, self.etp, self.static_splits = mesh, ep, etp, static_splits
+        self.num_experts = num_experts
+        self.strategy = resolve_strategy(strategy, torch.device(mesh.device_type))
         self.ep_group = mesh.get_group(ep)
+        self.ep_size = dist.get_world_size(self.ep_group)
         self.etp_group = mesh.get_group(etp) if etp is not None else None
         self.etp_size = dist.get_world_size(self.etp_group) if etp is not None else 1
         self.loss_scale = 1.0 / self.etp_size  # the etp ranks route the same tokens: count the loss once
@@ -94,6 +106,10 @@ class ExpertParallel:
         self._sizes = [n] * self.etp_size if self.static_splits else _exchange_sizes(n, self.etp_group, x_TD.device)
         return all_gather_rows(x_TD, self._sizes, self.etp_group)
 
+    def sort_key(self, expert_idx: Tensor) -> Tensor:
+        """The key the layer sorts its slots by: the order `dispatch` sends rows in."""
+        return send_key(expert_idx, self.num_experts, self.ep_size, self.strategy)
+
     def run_experts(self, layer: MoE, xs_MD: Tensor, counts_E: Tensor, routing) -> Tensor:
         """Expert-sorted rows of the routed tokens -> the experts' outputs, in the same order."""
         known = None
@@ -106,7 +122,9 @@ class ExpertParallel:
         ):
             num_tokens, k = routing.expert_idx.shape
             known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()
-        x_local, counts_local, info = dispatch(xs_MD, counts_E, self.ep_group, known_counts=known)
+        x_local, counts_local, info = dispatch(
+            xs_MD, counts_E, self.ep_group, known_counts=known, strategy=self.strategy
+        )
         return combine(layer.experts(x_local, counts_local), info)
 
     def scatter_tokens(self, y_TD: Tensor) -> Tensor:
@@ -177,6 +195,7 @@ def parallelize_moe(
     etp: str | None = None,
     static_splits: bool = False,
     global_base: bool = False,
+    dispatch_strategy: str = "auto",
 ) -> nn.Module:
     """Spread the experts of every `MoE` layer in ``module`` over ``mesh``; returns ``module``.
 
@@ -188,6 +207,8 @@ def parallelize_moe(
             shape); BASE layers in training then skip the count exchange (see `ExpertParallel`).
         global_base: BASE layers balance over the whole ep group (`GroupBalance`) instead of
             per rank.
+        dispatch_strategy: how rows reach their experts, see `moe.parallel.dispatch`
+            ("auto", "resort" or "per_expert").
 
     Every rank must call this with the same model and options (checked: a ValueError on every
     rank otherwise). The MoE layers' other parameters and buffers are broadcast from the mesh's
@@ -197,6 +218,8 @@ def parallelize_moe(
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
+    if dispatch_strategy not in STRATEGIES:
+        raise ValueError(f"dispatch_strategy must be one of {STRATEGIES}, got {dispatch_strategy!r}")
     if ep_dim == etp_dim:
         raise ValueError(f"ep and etp must name different mesh dimensions, got {ep!r} for both")
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
@@ -210,6 +233,7 @@ def parallelize_moe(
         "etp": etp,
         "static_splits": static_splits,
         "global_base": global_base,
+        "dispatch_strategy": dispatch_strategy,
         "mesh": tuple(mesh.shape),
     }
     _check_agreement(layers, mesh, options)
@@ -242,7 +266,9 @@ def parallelize_moe(
                 placements[etp_dim] = Shard(hidden)
             shard = distribute_tensor(w.detach(), mesh, placements)
             setattr(ex, wname, nn.Parameter(shard, requires_grad=w.requires_grad))
-        layer.parallel = ExpertParallel(mesh, ep, etp, static_splits)
+        layer.parallel = ExpertParallel(
+            mesh, layer.config.num_experts, ep=ep, etp=etp, static_splits=static_splits, strategy=dispatch_strategy
+        )
         if global_base:
             layer.router.assign = GroupBalance(layer.parallel.ep_group)
         if isinstance(layer.router, TopKRouter):

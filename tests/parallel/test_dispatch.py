@@ -1,5 +1,8 @@
-"""Expert-parallel dispatch over gloo: EP=2 gives the single-process layer's outputs and
-gradients, tokens are conserved, a rank may have no tokens."""
+"""Expert-parallel dispatch over gloo, both strategies: EP=2 gives the single-process layer's
+outputs and gradients, tokens are conserved, a rank may have no tokens, the receive splits are
+the transpose of the send splits, and dispatch then combine returns the rows exactly."""
+
+import itertools
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch.nn.functional as F
 from moe import MoE, MoEConfig
 from moe.kernels import grouped_mm, permute, unpermute
 from moe.parallel import combine, dispatch
+from moe.parallel.dispatch import send_key
 
 from .launch import init, spawn
 
@@ -16,44 +20,50 @@ pytestmark = pytest.mark.distributed
 TOKENS = {2: [(7, 3), (0, 5)]}  # per scenario: tokens on each rank (rank 1 has none in the second)
 
 
-def ep_forward(layer: MoE, x: torch.Tensor, rank: int, world: int, w1, w3, w2) -> torch.Tensor:
-    """The layer's forward with its experts spread over the ranks: this rank holds w1/w3/w2."""
+def sorted_rows(layer: MoE, x: torch.Tensor, world: int, strategy: str):
     res = layer.router(x)
-    xs, info = permute(x, res.expert_idx, num_experts=layer.config.num_experts, backend="torch")
-    x_local, counts_local, dinfo = dispatch(xs, info.counts)
+    keys = send_key(res.expert_idx, layer.config.num_experts, world, strategy)
+    xs, info = permute(x, keys, num_experts=layer.config.num_experts, backend="torch")
+    return res, xs, info
+
+
+def ep_forward(layer: MoE, x: torch.Tensor, world: int, strategy: str, w1, w3, w2) -> torch.Tensor:
+    """The layer's forward with its experts spread over the ranks: this rank holds w1/w3/w2."""
+    res, xs, info = sorted_rows(layer, x, world, strategy)
+    x_local, counts_local, dinfo = dispatch(xs, info.counts, strategy=strategy)
     h = F.silu(grouped_mm(x_local, w1, counts_local)) * grouped_mm(x_local, w3, counts_local)
     y_local = grouped_mm(h, w2, counts_local)
     return unpermute(combine(y_local, dinfo), info, res.weights, backend="torch"), counts_local
 
 
-def check_round_trip(layer: MoE, x: torch.Tensor, world: int) -> None:
-    """Identity experts: combine(dispatch(rows)) is the rows, bit for bit; the receive-split
-    matrix is the transpose of the send-split matrix."""
-    res = layer.router(x)
-    xs, info = permute(x, res.expert_idx, num_experts=layer.config.num_experts, backend="torch")
-    x_local, counts_local, dinfo = dispatch(xs, info.counts)
+def check_round_trip(layer: MoE, x: torch.Tensor, world: int, strategy: str) -> None:
+    """Identity experts: combine(dispatch(rows)) is the rows, bit for bit; what rank i receives
+    from rank j is what j sends to i (the receive-split matrix is the send-split transpose)."""
+    _, xs, info = sorted_rows(layer, x, world, strategy)
+    x_local, counts_local, dinfo = dispatch(xs, info.counts, strategy=strategy)
     assert torch.equal(combine(x_local, dinfo), xs)
-    assert int(counts_local.sum()) == x_local.shape[0] == sum(dinfo.recv_splits)
+    assert int(counts_local.sum()) == x_local.shape[0] == sum(map(sum, dinfo.recv))
     send = [None] * world
     recv = [None] * world
-    dist.all_gather_object(send, dinfo.send_splits)
-    dist.all_gather_object(recv, dinfo.recv_splits)
-    assert recv == [list(col) for col in zip(*send, strict=True)], (send, recv)
+    dist.all_gather_object(send, dinfo.send)
+    dist.all_gather_object(recv, dinfo.recv)
+    rank = dist.get_rank()
+    assert all(recv[rank][j] == send[j][rank] for j in range(world)), (send, recv)
 
 
 def worker(rank: int, world: int, store: str) -> None:
     init(rank, world, store)
     try:
-        for tokens in TOKENS[world]:
+        for tokens, num_experts, strategy in itertools.product(TOKENS[world], (2, 8), ("resort", "per_expert")):
             torch.manual_seed(0)  # the same global layer on every rank
-            layer = MoE(MoEConfig(dim=8, hidden_dim=12, num_experts=4, top_k=2))
+            layer = MoE(MoEConfig(dim=8, hidden_dim=12, num_experts=num_experts, top_k=2))
             per = layer.config.num_experts // world
             ex = layer.experts
             local = [w.detach()[rank * per : (rank + 1) * per].clone().requires_grad_() for w in (ex.w1, ex.w3, ex.w2)]
             x = torch.randn(tokens[rank], 8, generator=torch.Generator().manual_seed(rank))
             x_ref, x_ep = x.clone().requires_grad_(), x.clone().requires_grad_()
             y_ref = layer(x_ref)
-            y_ep, counts_local = ep_forward(layer, x_ep, rank, world, *local)
+            y_ep, counts_local = ep_forward(layer, x_ep, world, strategy, *local)
             torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
             scale = torch.linspace(-1, 1, 8)
             (y_ref * scale).sum().backward()
@@ -66,7 +76,7 @@ def worker(rank: int, world: int, store: str) -> None:
             kept = torch.tensor([int((layer.last_routing.expert_idx >= 0).sum()), int(counts_local.sum())])
             dist.all_reduce(kept)
             assert kept[0] == kept[1]  # tokens are conserved across ranks
-            check_round_trip(layer, x, world)
+            check_round_trip(layer, x, world, strategy)
     finally:
         dist.destroy_process_group()
 

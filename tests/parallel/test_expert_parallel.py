@@ -90,31 +90,37 @@ def check_layer(case: str, mesh, tokens: list[int], etp: str | None = None, **op
 
 @contextlib.contextmanager
 def counting_all_to_all():
-    """Count the all-to-alls moe.parallel issues."""
+    """Record the dtype of every all-to-all moe.parallel issues (functional or in place)."""
     calls = []
-    inner = a2a_module.all_to_all_single_autograd
+    functional, in_place = a2a_module.all_to_all_single_autograd, dist.all_to_all_single
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return inner(*args, **kwargs)
+    def counted_functional(x, *args, **kwargs):
+        calls.append(x.dtype)
+        return functional(x, *args, **kwargs)
 
-    a2a_module.all_to_all_single_autograd = counted
+    def counted_in_place(out, x, *args, **kwargs):
+        calls.append(x.dtype)
+        return in_place(out, x, *args, **kwargs)
+
+    a2a_module.all_to_all_single_autograd, dist.all_to_all_single = counted_functional, counted_in_place
     try:
         yield calls
     finally:
-        a2a_module.all_to_all_single_autograd = inner
+        a2a_module.all_to_all_single_autograd, dist.all_to_all_single = functional, in_place
 
 
 def check_static_splits(mesh) -> None:
-    """BASE with static splits: two all-to-alls per forward instead of three, same numbers."""
+    """BASE with static splits: the count exchange (the one int64 all-to-all) is gone, the rows
+    move as before, the numbers are the same."""
     for case, n in (("base-k2", 6), ("base", 5)):  # 5 tokens on 4 experts: uneven loads
         x = tokens_of(case, dist.get_rank(), n)
-        outputs = {}
+        outputs, calls = {}, {}
         for static in (False, True):
             layer = parallelize_moe(build(case), mesh, static_splits=static)
-            with counting_all_to_all() as calls:
+            with counting_all_to_all() as calls[static]:
                 outputs[static] = layer(x)
-            assert len(calls) == (2 if static else 3), (case, static, len(calls))
+        assert calls[False].count(torch.int64) == 1 and torch.int64 not in calls[True], calls
+        assert [d for d in calls[False] if d != torch.int64] == calls[True], calls
         torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=0)
         check_layer(case, mesh, [n] * dist.get_world_size(), static_splits=True)
 
@@ -153,7 +159,8 @@ def worker_ep2(rank: int, world: int, store: str) -> None:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
         for case in CASES:
             for tokens in ([7, 3], [5, 0]):  # uneven; a rank without tokens
-                check_layer(case, mesh, tokens)
+                check_layer(case, mesh, tokens)  # "auto": per_expert on CPU
+            check_layer(case, mesh, [7, 3], dispatch_strategy="resort")
         check_static_splits(mesh)
         check_global_base(mesh, [7, 3])
         check_disagreement(mesh)
@@ -173,6 +180,7 @@ def worker_ep4(rank: int, world: int, store: str) -> None:
             check_layer(case, ep_etp, [4, 3, 0, 5], etp="etp")
             check_layer(case, dp_ep, [2, 5, 4, 1])
         check_layer("base-k2", ep_etp, [4, 4, 4, 4], etp="etp", static_splits=True)
+        check_layer("topk", ep4, [5, 0, 3, 6], dispatch_strategy="resort")
     finally:
         dist.destroy_process_group()
 
@@ -236,5 +244,7 @@ def check_bad_arguments(mesh) -> None:
     layer = parallelize_moe(build("topk"), mesh)
     with pytest.raises(ValueError, match="already parallelised"):
         parallelize_moe(layer, mesh)
+    with pytest.raises(ValueError, match="dispatch_strategy must be one of"):
+        parallelize_moe(build("topk"), mesh, dispatch_strategy="fast")
     with pytest.raises(ValueError, match="op must be"):
         reduce_gradients(layer, mesh, op="mean")
