@@ -17,7 +17,9 @@ from moe.parallel.dispatch import send_key
 from .launch import init, spawn
 
 pytestmark = pytest.mark.distributed
-TOKENS = {2: [(7, 3), (0, 5)]}  # per scenario: tokens on each rank (rank 1 has none in the second)
+# per scenario: tokens on each rank (rank 0 has none in the second; in the third, 4 slots on up
+# to 8 experts leave at least half of them with nothing)
+TOKENS = {2: [(7, 3), (0, 5), (1, 1)]}
 
 
 def sorted_rows(layer: MoE, x: torch.Tensor, world: int, strategy: str):
@@ -76,6 +78,10 @@ def worker(rank: int, world: int, store: str) -> None:
             kept = torch.tensor([int((layer.last_routing.expert_idx >= 0).sum()), int(counts_local.sum())])
             dist.all_reduce(kept)
             assert kept[0] == kept[1]  # tokens are conserved across ranks
+            if tokens == (1, 1) and num_experts == 8:  # some expert received nothing, on some rank
+                starved = torch.tensor([int((counts_local == 0).sum())])
+                dist.all_reduce(starved)
+                assert starved >= 4
             check_round_trip(layer, x, world, strategy)
     finally:
         dist.destroy_process_group()
