@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import run_meta, timed, write_section
-from moe.kernels import grouped_mm
+from moe.kernels import gather_grouped_mm, grouped_mm, sort_slots
 
 SHAPES = {"mixtral-8x7b": dict(E=8, I=4096, N=14336, k=2), "deepseek-v3": dict(E=32, I=7168, N=2048, k=8)}
 TOKENS = 16384
@@ -43,7 +43,7 @@ def measure(fn, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, repeats:
     """Median seconds of fn forward, and of forward + backward into x and w (no accumulation)."""
     fwd, _ = timed(lambda: fn(x, w, counts), repeats, sync)
     xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
-    dy = torch.randn(x.shape[0], fn(x, w, counts).shape[1], device=x.device, dtype=x.dtype)
+    dy = torch.randn_like(fn(x, w, counts))
     fb, _ = timed(lambda: torch.autograd.grad(fn(xg, wg, counts), (xg, wg), dy), repeats, sync)
     return fwd, fb
 
@@ -64,6 +64,23 @@ def methods(device: torch.device) -> dict:
         except ImportError:
             pass
     return out
+
+
+def gather_methods(counts: torch.Tensor, k: int, backend: str) -> tuple[dict, int]:
+    """The first expert GEMM with the permutation's gather: sorted copy then GEMM, against the
+    gather fused into the GEMM's A-load. Takes the (T, I) tokens; returns the methods and T.
+    Slots are dealt to experts at random, so the gathered rows are scattered over x."""
+    m = int(counts.sum())
+    t = m // k
+    g = torch.Generator().manual_seed(1)
+    expert_of_slot = torch.repeat_interleave(torch.arange(counts.numel()), counts.cpu())[torch.randperm(m, generator=g)]
+    info = sort_slots(expert_of_slot[: t * k].view(t, k).to(counts.device), num_experts=counts.numel())
+    return {
+        f"ours ({backend}), sorted copy + GEMM": lambda x, w, c: grouped_mm(
+            x[info.token], w, info.counts, backend=backend
+        ),
+        f"ours ({backend}), gather fused": lambda x, w, c: gather_grouped_mm(x, w, info, backend=backend),
+    }, t
 
 
 def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) -> list[dict]:
@@ -94,6 +111,16 @@ def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) ->
                          fwd_ms=fwd * 1e3, fwd_tflops=flops / fwd / 1e12, fwdbwd_ms=fb * 1e3,
                          fwdbwd_tflops=3 * flops / fb / 1e12)
                 )  # fmt: skip
+            if device.type == "cuda":  # the fusion only changes anything with the triton kernels
+                fused, t = gather_methods(counts, sh["k"], "triton")
+                x_tokens = torch.randn(t, i, generator=g).to(device, dtype)
+                for meth, fn in fused.items():
+                    fwd, fb = measure(fn, x_tokens, w, counts, repeats, sync)
+                    rows.append(
+                        dict(shape=name, M=t * sh["k"], I=i, N=n, E=e, counts="skewed" if skewed else "uniform",
+                             method=meth, fwd_ms=fwd * 1e3, fwd_tflops=flops / fwd / 1e12, fwdbwd_ms=fb * 1e3,
+                             fwdbwd_tflops=3 * flops / fb / 1e12)
+                    )  # fmt: skip
             for r in rows:
                 if r["shape"] == name and r["counts"] == ("skewed" if skewed else "uniform") and dense_fwd:
                     r["fwd_vs_dense"] = dense_fwd * 1e3 / r["fwd_ms"]

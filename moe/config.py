@@ -32,6 +32,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     backend: str = "auto"  # kernels backend, see moe.kernels.grouped_mm
+    fused: bool = False  # permutation fused into the expert GEMMs (moe.kernels.fused), single device
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .kernels import grouped_mm
+from .kernels import PermuteInfo, gather_grouped_mm, grouped_mm, grouped_mm_scatter
 
 __all__ = ["GroupedExperts", "SharedExperts"]
 
@@ -48,6 +48,15 @@ class GroupedExperts(nn.Module):
         if w3 is not None:
             h = h * grouped_mm(x_MD, w3, counts_E, backend=self.backend)
         return grouped_mm(h, w2, counts_E, backend=self.backend)
+
+    def forward_fused(self, x_TD: Tensor, info: PermuteInfo, gates_TK: Tensor) -> Tensor:
+        """The experts on the tokens themselves: the gather of the permutation runs inside the
+        first GEMMs and the gate-weighted scatter inside the last, (T, D) -> (T, D)."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        h = _ACT[self.activation](gather_grouped_mm(x_TD, w1, info, backend=self.backend))
+        if w3 is not None:
+            h = h * gather_grouped_mm(x_TD, w3, info, backend=self.backend)
+        return grouped_mm_scatter(h, w2, info, gates_TK, backend=self.backend)
 
 
 def _local(w: Tensor | None) -> Tensor | None:

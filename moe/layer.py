@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .config import MoEConfig
 from .experts import GroupedExperts, SharedExperts
-from .kernels import permute, unpermute
+from .kernels import permute, sort_slots, unpermute
 from .routing import RoutingResult, build_router
 
 __all__ = ["MoE", "aux_loss"]
@@ -64,11 +64,16 @@ class MoE(nn.Module):
         par = self.parallel
         x_in = par.gather_tokens(x_TD) if par is not None else x_TD  # the tokens routed together
         res = self.router(x_in, seq_len=seq_len)  # raises on NaN / Inf input
-        keys = res.expert_idx if par is None else par.sort_key(res.expert_idx)  # the order rows are sent in
-        xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend)
-        ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
-        gates = res.weights.to(ys.dtype)
-        y_TD = unpermute(ys, info, gates, backend=cfg.backend)
+        if cfg.fused and par is None:  # no sorted copy of the tokens or of the outputs
+            gates = res.weights.to(x_in.dtype)
+            info = sort_slots(res.expert_idx, num_experts=cfg.num_experts)
+            y_TD = self.experts.forward_fused(x_in, info, gates)
+        else:
+            keys = res.expert_idx if par is None else par.sort_key(res.expert_idx)  # the order rows are sent in
+            xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend)
+            ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
+            gates = res.weights.to(ys.dtype)
+            y_TD = unpermute(ys, info, gates, backend=cfg.backend)
         loss = res.aux_loss + res.z_loss
         if par is not None:
             y_TD, gates, loss = par.scatter_tokens(y_TD), par.local_rows(gates), loss * par.loss_scale

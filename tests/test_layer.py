@@ -42,6 +42,8 @@ def naive(layer: MoE, x_TD: torch.Tensor) -> torch.Tensor:
         ("tiny", {"capacity_factor": 1.0}),
         ("tiny", {"num_shared_experts": 2, "shared_hidden_dim": 16}),
         ("tiny-base", {}),
+        ("tiny", {"fused": True, "capacity_factor": 1.0}),
+        ("tiny-base", {"fused": True}),
     ],
 )
 def test_matches_the_per_token_definition(name, overrides):
@@ -50,6 +52,19 @@ def test_matches_the_per_token_definition(name, overrides):
     y = layer(x)
     assert y.shape == x.shape
     torch.testing.assert_close(y.reshape(-1, 32), naive(layer, x.reshape(-1, 32)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_fused_layer_equals_unfused_with_gradients(backend):
+    layers = [make("tiny", fused=fused, backend=backend, capacity_factor=1.0) for fused in (False, True)]
+    x = torch.randn(19, 32)
+    leaves = [x.clone().requires_grad_() for _ in layers]
+    for layer, xx in zip(layers, leaves, strict=True):
+        (layer(xx) * torch.linspace(-1, 1, 32)).sum().backward()
+    torch.testing.assert_close(leaves[1].grad, leaves[0].grad, rtol=1e-4, atol=1e-5)
+    params = dict(layers[1].named_parameters())
+    for name, p in layers[0].named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_base_balances_in_training_and_routes_greedily_in_eval():

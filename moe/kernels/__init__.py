@@ -3,17 +3,21 @@
 Imports nothing else of ``moe``. Each op has a pure-torch reference in `reference`.
 """
 
+from .fused import gather_grouped_mm, grouped_mm_scatter
 from .grouped_mm import BACKENDS, grouped_mm
-from .permute import PermuteInfo, permute, unpermute
+from .permute import PermuteInfo, permute, sort_slots, unpermute
 from .reference import grouped_mm_ref, permute_ref, unpermute_ref
 
 __all__ = [
     "BACKENDS",
     "PermuteInfo",
+    "gather_grouped_mm",
     "grouped_mm",
     "grouped_mm_ref",
+    "grouped_mm_scatter",
     "permute",
     "permute_ref",
+    "sort_slots",
     "unpermute",
     "unpermute_ref",
 ]

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .grouped_mm import resolve_backend
 
-__all__ = ["BACKENDS", "PermuteInfo", "permute", "unpermute"]
+__all__ = ["BACKENDS", "PermuteInfo", "permute", "sort_slots", "unpermute"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,35 @@ class _TritonUnpermute(torch.autograd.Function):
         return dy, dw, None
 
 
+def sort_slots(expert_idx_TK: Tensor, *, num_experts: int) -> PermuteInfo:
+    """The `PermuteInfo` of sorting the kept slots by expert (stable), without moving any rows:
+    what the fused ops of `moe.kernels.fused` take. ``expert_idx``: (T, K) int64 in [-1, E),
+    -1 for a dropped slot. One host sync (the range check), one more for M."""
+    idx = expert_idx_TK
+    if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype != torch.int64:
+        raise ValueError(
+            f"expert_idx must be a (T, K) int64 tensor, got {getattr(idx, 'shape', None)} "
+            f"{getattr(idx, 'dtype', type(idx).__name__)}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if idx.numel():
+        lo, hi = (int(v) for v in torch.aminmax(idx))
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"expert_idx must lie in [-1, {num_experts}), got [{lo}, {hi}]")
+    num_tokens, k = expert_idx_TK.shape
+    device = expert_idx_TK.device
+    key = torch.where(expert_idx_TK < 0, num_experts, expert_idx_TK).reshape(-1)  # dropped slots sort last
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    slot = order[: int(counts.sum())]
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    row_of_slot = torch.full((num_tokens * k,), -1, dtype=torch.int64, device=device)
+    row_of_slot[slot] = torch.arange(slot.numel(), device=device)
+    token = slot // k
+    return PermuteInfo(slot, token, counts, offsets, row_of_slot, num_tokens=num_tokens, top_k=k)
+
+
 def permute(
     x_TD: Tensor, expert_idx_TK: Tensor, *, num_experts: int, backend: str = "auto"
 ) -> tuple[Tensor, PermuteInfo]:
@@ -101,28 +130,11 @@ def permute(
         )
     if idx.device != x_TD.device:
         raise ValueError(f"x and expert_idx must be on one device, got {x_TD.device} and {idx.device}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     backend = _resolve(backend, x_TD)
-    if idx.numel():
-        lo, hi = (int(v) for v in torch.aminmax(idx))
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"expert_idx must lie in [-1, {num_experts}), got [{lo}, {hi}]")
-    num_tokens, k = idx.shape
-    key = torch.where(idx < 0, num_experts, idx).reshape(-1)  # dropped slots sort last
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    slot = order[: int(counts.sum())]
-    token = slot // k
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-    row_of_slot = torch.full((num_tokens * k,), -1, dtype=torch.int64, device=idx.device)
-    row_of_slot[slot] = torch.arange(slot.numel(), device=idx.device)
-    info = PermuteInfo(
-        slot=slot, token=token, counts=counts, offsets=offsets, row_of_slot=row_of_slot, num_tokens=num_tokens, top_k=k
-    )
+    info = sort_slots(idx, num_experts=num_experts)
     if backend == "triton":
         return _TritonPermute.apply(x_TD, info), info
-    return x_TD[token], info
+    return x_TD[info.token], info
 
 
 def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: str = "auto") -> Tensor:

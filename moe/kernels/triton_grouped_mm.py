@@ -49,23 +49,28 @@ def _mma(acc, a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr,
+    x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, a_rows_ptr, c_rows_ptr, c_scale_ptr,
     I, N,
     stride_xm, stride_xi, stride_we, stride_wi, stride_wn, stride_ym, stride_yn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)  # int64 offsets: E*I*N and M*I pass 2^31
     row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
     row_end = tl.load(row_end_ptr + e)
     rows = row0 + tl.arange(0, BM)
+    in_rows = rows < row_end
+    a_rows = rows
+    if GATHER_A:  # row m reads x[a_rows[m]]: the permutation's gather, fused into the A-load
+        a_rows = tl.load(a_rows_ptr + rows, mask=in_rows, other=0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         ks = k0 + tl.arange(0, BK)
         a = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xi,
-            mask=(rows[:, None] < row_end) & (ks[None, :] < I),
+            x_ptr + a_rows[:, None] * stride_xm + ks[None, :] * stride_xi,
+            mask=in_rows[:, None] & (ks[None, :] < I),
             other=0.0,
         )
         b = tl.load(
@@ -74,19 +79,24 @@ def _fwd_kernel(
             other=0.0,
         )
         acc = _mma(acc, a, b, UPCAST, PRECISION)
+    c_rows = rows
+    if SCATTER_C:  # row m, times c_scale[m], goes to y[c_rows[m]]: the weighted scatter, fused
+        c_rows = tl.load(c_rows_ptr + rows, mask=in_rows, other=0).to(tl.int64)
+        acc = acc * tl.load(c_scale_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)[:, None]
     tl.store(
-        y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn,
+        y_ptr + c_rows[:, None] * stride_ym + cols[None, :] * stride_yn,
         acc.to(y_ptr.dtype.element_ty),
-        mask=(rows[:, None] < row_end) & (cols[None, :] < N),
+        mask=in_rows[:, None] & (cols[None, :] < N),
     )
 
 
 @triton.jit
 def _wgrad_kernel(
-    x_ptr, dy_ptr, dw_ptr, offs_ptr,
+    x_ptr, dy_ptr, dw_ptr, offs_ptr, a_rows_ptr, b_rows_ptr, b_scale_ptr,
     I, N,
     stride_xm, stride_xi, stride_dym, stride_dyn, stride_dwe, stride_dwi, stride_dwn,
     BM: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0).to(tl.int64)  # int64 offsets: E*I*N and M*I pass 2^31
     ii = tl.program_id(1).to(tl.int64) * BI + tl.arange(0, BI)
@@ -96,16 +106,26 @@ def _wgrad_kernel(
     acc = tl.zeros((BI, BN), dtype=tl.float32)
     for m0 in range(start, end, BM):
         ms = m0 + tl.arange(0, BM)
+        in_rows = ms < end
+        a_rows = ms
+        if GATHER_A:  # x rows read through the permutation
+            a_rows = tl.load(a_rows_ptr + ms, mask=in_rows, other=0).to(tl.int64)
+        b_rows = ms
+        if GATHER_B:  # dy rows read through the permutation, times a per-row scale
+            b_rows = tl.load(b_rows_ptr + ms, mask=in_rows, other=0).to(tl.int64)
         a = tl.load(
-            x_ptr + ms[None, :] * stride_xm + ii[:, None] * stride_xi,
-            mask=(ms[None, :] < end) & (ii[:, None] < I),
+            x_ptr + a_rows[None, :] * stride_xm + ii[:, None] * stride_xi,
+            mask=in_rows[None, :] & (ii[:, None] < I),
             other=0.0,
         )
         b = tl.load(
-            dy_ptr + ms[:, None] * stride_dym + cols[None, :] * stride_dyn,
-            mask=(ms[:, None] < end) & (cols[None, :] < N),
+            dy_ptr + b_rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
+            mask=in_rows[:, None] & (cols[None, :] < N),
             other=0.0,
         )
+        if GATHER_B:
+            scale = tl.load(b_scale_ptr + ms, mask=in_rows, other=0.0).to(tl.float32)
+            b = (b.to(tl.float32) * scale[:, None]).to(b.dtype)
         acc = _mma(acc, a, b, UPCAST, PRECISION)
     tl.store(
         dw_ptr + e * stride_dwe + ii[:, None] * stride_dwi + cols[None, :] * stride_dwn,
@@ -137,27 +157,60 @@ def _schedule(counts_E: Tensor, bm: int) -> tuple[Tensor, Tensor, Tensor]:
     return tile_expert.to(torch.int32), (starts[tile_expert] + within * bm).to(torch.int32), ends.to(torch.int32)
 
 
-def triton_forward(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """(M, I) x (E, I, N) by strides -> (M, N), accumulated in fp32 and stored in out_dtype."""
+def triton_forward(
+    x_MI: Tensor,
+    w_EIN: Tensor,
+    counts_E: Tensor,
+    out_dtype: torch.dtype,
+    *,
+    a_rows: Tensor | None = None,
+    c_rows: Tensor | None = None,
+    c_scale: Tensor | None = None,
+    out_rows: int | None = None,
+) -> Tensor:
+    """(M, I) x (E, I, N) by strides -> (M, N), accumulated in fp32 and stored in out_dtype.
+
+    Fusions: ``a_rows`` (M,) makes row m read ``x[a_rows[m]]`` (x then has any number of rows);
+    ``c_rows`` (M,) with ``c_scale`` (M,) writes ``c_scale[m] * row m`` to row ``c_rows[m]`` of
+    a zero-filled (out_rows, N) result (the indices must be distinct: no atomics)."""
     x_MI = x_MI.contiguous()
-    m, i = x_MI.shape
+    m = a_rows.shape[0] if a_rows is not None else x_MI.shape[0]
+    i = x_MI.shape[1]
     n = w_EIN.shape[2]
-    y = torch.empty(m, n, device=x_MI.device, dtype=torch.float32 if _INTERPRET else out_dtype)
+    store = torch.float32 if _INTERPRET else out_dtype
+    scatter = c_rows is not None
+    shape = (out_rows, n) if scatter else (m, n)
+    y = (torch.zeros if scatter else torch.empty)(shape, device=x_MI.device, dtype=store)
     if m == 0 or n == 0:
         return y.to(out_dtype)
     bm, bn, bk = _blocks(x_MI.dtype)
     tile_expert, tile_row, row_end = _schedule(counts_E, bm)
     grid = (tile_expert.numel(), triton.cdiv(n, bn))
+    dummy = tile_row  # pointer arguments a disabled fusion never reads
     _fwd_kernel[grid](
-        x_MI, w_EIN, y, tile_expert, tile_row, row_end, i, n,
+        x_MI, w_EIN, y, tile_expert, tile_row, row_end,
+        dummy if a_rows is None else a_rows, dummy if c_rows is None else c_rows,
+        dummy if c_scale is None else c_scale.contiguous(), i, n,
         x_MI.stride(0), x_MI.stride(1), *w_EIN.stride(), y.stride(0), y.stride(1),
         BM=bm, BN=bn, BK=bk, UPCAST=_INTERPRET, PRECISION=_precision(x_MI.dtype),
+        GATHER_A=a_rows is not None, SCATTER_C=scatter,
     )  # fmt: skip
     return y.to(out_dtype)
 
 
-def triton_wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor) -> Tensor:
-    """dW (E, I, N) = X_e.T @ dY_e per expert, in x's dtype; zeros for an expert with no rows."""
+def triton_wgrad(
+    x_MI: Tensor,
+    dy_MN: Tensor,
+    counts_E: Tensor,
+    *,
+    a_rows: Tensor | None = None,
+    b_rows: Tensor | None = None,
+    b_scale: Tensor | None = None,
+) -> Tensor:
+    """dW (E, I, N) = X_e.T @ dY_e per expert, in x's dtype; zeros for an expert with no rows.
+
+    Fusions: ``a_rows`` reads row m of X as ``x[a_rows[m]]``; ``b_rows`` with ``b_scale`` reads
+    row m of dY as ``b_scale[m] * dy[b_rows[m]]``."""
     x_MI, dy_MN = x_MI.contiguous(), dy_MN.contiguous()
     e, i, n = counts_E.numel(), x_MI.shape[1], dy_MN.shape[1]
     dw = torch.empty(e, i, n, device=x_MI.device, dtype=torch.float32 if _INTERPRET else x_MI.dtype)
@@ -165,8 +218,11 @@ def triton_wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor) -> Tensor:
     bm, bn, bk = _blocks(x_MI.dtype)
     grid = (e, triton.cdiv(i, bk), triton.cdiv(n, bn))
     _wgrad_kernel[grid](
-        x_MI, dy_MN, dw, offs, i, n,
+        x_MI, dy_MN, dw, offs,
+        offs if a_rows is None else a_rows, offs if b_rows is None else b_rows,
+        offs if b_scale is None else b_scale.contiguous(), i, n,
         x_MI.stride(0), x_MI.stride(1), dy_MN.stride(0), dy_MN.stride(1), *dw.stride(),
         BM=bm, BI=bk, BN=bn, UPCAST=_INTERPRET, PRECISION=_precision(x_MI.dtype),
+        GATHER_A=a_rows is not None, GATHER_B=b_rows is not None,
     )  # fmt: skip
     return dw.to(x_MI.dtype)
