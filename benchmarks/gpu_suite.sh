@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (under 8 minutes on one H200): the tests marked gpu or triton,
-# then the grouped-GEMM benchmark. Writes logs, JSON and markdown under $OUT (or runs/gpu_suite).
+# then the grouped-GEMM benchmark (fused rows included) and the layer benchmark at the Mixtral
+# shape. Writes logs, JSON and markdown under $OUT (or runs/gpu_suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/gpu_suite}"
@@ -10,4 +11,5 @@ PY="${PYTHON:-python3}"
 status=0
 timeout 240 "$PY" -m pytest -m "gpu or triton" -q tests/kernels 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 timeout 240 "$PY" -m benchmarks.grouped_gemm --repeats 10 2>&1 | tee "$OUT/grouped_gemm.log" || status=1
+timeout 150 "$PY" -m benchmarks.moe_layer --dtype bfloat16 --repeats 5 2>&1 | tee "$OUT/moe_layer.log" || status=1
 exit $status

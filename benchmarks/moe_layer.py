@@ -12,6 +12,7 @@ tokens/s, the ratio to dense and our speedup over each transformers variant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,6 +41,10 @@ def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> 
     x = torch.randn(1, t, d, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     cases = {"ours (moe.MoE)": ours}
+    if device.type == "cuda":  # the fused permutation changes something only with the triton kernels
+        fused = MoE(dataclasses.replace(ours.config, fused=True)).to(device, dtype)
+        fused.load_state_dict(ours.state_dict())
+        cases["ours (moe.MoE, fused)"] = fused
     state = to_mixtral(ours).state_dict()  # the same weights in Mixtral's layout
     for impl in ("eager", "grouped_mm", "batched_mm"):
         try:

@@ -5,7 +5,7 @@ Imports nothing else of ``moe``. Each op has a pure-torch reference in `referenc
 
 from .fused import gather_grouped_mm, grouped_mm_scatter
 from .grouped_mm import BACKENDS, grouped_mm
-from .permute import PermuteInfo, permute, sort_slots, unpermute
+from .permute import PermuteInfo, permute, permute_rows, sort_slots, unpermute
 from .reference import grouped_mm_ref, permute_ref, unpermute_ref
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "grouped_mm_scatter",
     "permute",
     "permute_ref",
+    "permute_rows",
     "sort_slots",
     "unpermute",
     "unpermute_ref",

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch import library as torch_library
 
 from .grouped_mm import resolve_backend
 
-__all__ = ["BACKENDS", "PermuteInfo", "permute", "sort_slots", "unpermute"]
+__all__ = ["BACKENDS", "PermuteInfo", "permute", "permute_rows", "sort_slots", "unpermute"]
 
 
 @dataclass(frozen=True)
@@ -40,46 +41,86 @@ def _resolve(backend: str, x: Tensor) -> str:
     return resolve_backend(backend, x)
 
 
-class _TritonPermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, info):
-        from .triton_permute import triton_gather
+# The Triton path as custom ops (fake implementations, registered backward), so a compiled
+# model does not break its graph on them. The plain gather and combine serve the backwards.
+@torch_library.custom_op("moe::triton_gather", mutates_args=())
+def _gather_op(src: Tensor, index: Tensor, scale: Tensor | None) -> Tensor:
+    from .triton_permute import triton_gather
 
-        ctx.info = info
-        return triton_gather(x_TD, info.token)
-
-    @staticmethod
-    def backward(ctx, dxs_MD):
-        from .triton_permute import triton_combine
-
-        info = ctx.info
-        ones = dxs_MD.new_ones(info.num_tokens, info.top_k)
-        return triton_combine(dxs_MD, info.row_of_slot, ones), None
+    return triton_gather(src, index, scale)
 
 
-class _TritonUnpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_MD, weights_TK, info):
-        from .triton_permute import triton_combine
+@_gather_op.register_fake
+def _(src, index, scale):
+    return src.new_empty(index.shape[0], src.shape[1])
 
-        ctx.save_for_backward(y_MD, weights_TK)
-        ctx.info = info
-        return triton_combine(y_MD, info.row_of_slot, weights_TK)
 
-    @staticmethod
-    def backward(ctx, dout_TD):
-        from .triton_permute import triton_gather
+@torch_library.custom_op("moe::triton_combine", mutates_args=())
+def _combine_op(y: Tensor, row_of_slot: Tensor, weights: Tensor) -> Tensor:
+    from .triton_permute import triton_combine
 
-        y_MD, weights_TK = ctx.saved_tensors
-        info = ctx.info
-        w_M = weights_TK.reshape(-1)[info.slot]
-        dy = triton_gather(dout_TD, info.token, w_M) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:  # <dout[t], y[row]> per kept slot, zero where dropped
-            dots = (dout_TD.float()[info.token] * y_MD.float()).sum(dim=1)
-            dw = weights_TK.new_zeros(weights_TK.numel()).index_copy(0, info.slot, dots.to(weights_TK.dtype))
-            dw = dw.view_as(weights_TK)
-        return dy, dw, None
+    return triton_combine(y, row_of_slot, weights)
+
+
+@_combine_op.register_fake
+def _(y, row_of_slot, weights):
+    return y.new_empty(weights.shape[0], y.shape[1])
+
+
+@torch_library.custom_op("moe::triton_permute", mutates_args=())
+def _permute_op(x_TD: Tensor, token: Tensor, row_of_slot: Tensor, top_k: int) -> Tensor:
+    return _gather_op(x_TD, token, None)
+
+
+@_permute_op.register_fake
+def _(x_TD, token, row_of_slot, top_k):
+    return x_TD.new_empty(token.shape[0], x_TD.shape[1])
+
+
+def _permute_setup(ctx, inputs, output) -> None:
+    x_TD, token, row_of_slot, top_k = inputs
+    ctx.save_for_backward(row_of_slot)
+    ctx.shape = (x_TD.shape[0], top_k)
+
+
+def _permute_backward(ctx, dxs_MD):
+    (row_of_slot,) = ctx.saved_tensors
+    ones = dxs_MD.new_ones(ctx.shape)
+    return _combine_op(dxs_MD.contiguous(), row_of_slot, ones), None, None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch_library.custom_op("moe::triton_unpermute", mutates_args=())
+def _unpermute_op(y_MD: Tensor, weights_TK: Tensor, row_of_slot: Tensor, slot: Tensor, token: Tensor) -> Tensor:
+    return _combine_op(y_MD, row_of_slot, weights_TK)
+
+
+@_unpermute_op.register_fake
+def _(y_MD, weights_TK, row_of_slot, slot, token):
+    return y_MD.new_empty(weights_TK.shape[0], y_MD.shape[1])
+
+
+def _unpermute_setup(ctx, inputs, output) -> None:
+    y_MD, weights_TK, row_of_slot, slot, token = inputs
+    ctx.save_for_backward(y_MD, weights_TK, slot, token)
+
+
+def _unpermute_backward(ctx, dout_TD):
+    y_MD, weights_TK, slot, token = ctx.saved_tensors
+    dout_TD = dout_TD.contiguous()
+    dy = dw = None
+    if ctx.needs_input_grad[0]:
+        dy = _gather_op(dout_TD, token, weights_TK.reshape(-1)[slot])
+    if ctx.needs_input_grad[1]:  # <dout[t], y[row]> per kept slot, zero where dropped
+        dots = (dout_TD.float()[token] * y_MD.float()).sum(dim=1)
+        dw = weights_TK.new_zeros(weights_TK.numel()).index_copy(0, slot, dots.to(weights_TK.dtype))
+        dw = dw.view_as(weights_TK)
+    return dy, dw, None, None, None
+
+
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
 def sort_slots(expert_idx_TK: Tensor, *, num_experts: int) -> PermuteInfo:
@@ -132,9 +173,17 @@ def permute(
         raise ValueError(f"x and expert_idx must be on one device, got {x_TD.device} and {idx.device}")
     backend = _resolve(backend, x_TD)
     info = sort_slots(idx, num_experts=num_experts)
-    if backend == "triton":
-        return _TritonPermute.apply(x_TD, info), info
-    return x_TD[info.token], info
+    return permute_rows(x_TD, info, backend=backend), info
+
+
+def permute_rows(x_TD: Tensor, info: PermuteInfo, *, backend: str = "auto") -> Tensor:
+    """The rows of a `permute` whose `PermuteInfo` is known: (M, D). No host sync, so it
+    compiles without a graph break (the triton path is the custom op ``moe::triton_permute``)."""
+    if not isinstance(x_TD, Tensor) or x_TD.dim() != 2 or x_TD.shape[0] != info.num_tokens:
+        raise ValueError(f"x must be a (T={info.num_tokens}, D) tensor, got {getattr(x_TD, 'shape', None)}")
+    if _resolve(backend, x_TD) == "triton":
+        return _permute_op(x_TD.contiguous(), info.token, info.row_of_slot, info.top_k)
+    return x_TD[info.token]
 
 
 def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: str = "auto") -> Tensor:
@@ -148,7 +197,7 @@ def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: s
     if weights_TK.shape != (info.num_tokens, info.top_k):
         raise ValueError(f"weights must be (T, K) = {(info.num_tokens, info.top_k)}, got {tuple(weights_TK.shape)}")
     if _resolve(backend, y_MD) == "triton":
-        return _TritonUnpermute.apply(y_MD, weights_TK, info)
+        return _unpermute_op(y_MD.contiguous(), weights_TK, info.row_of_slot, info.slot, info.token)
     acc = torch.promote_types(y_MD.dtype, torch.float32)
     w_M = weights_TK.reshape(-1)[info.slot].to(acc)
     out = y_MD.new_zeros(info.num_tokens, y_MD.shape[1], dtype=acc)

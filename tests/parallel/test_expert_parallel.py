@@ -166,6 +166,7 @@ def worker_ep2(rank: int, world: int, store: str) -> None:
         check_disagreement(mesh)
         check_bad_arguments(mesh)
         check_training(mesh, [6, 3])
+        check_hf_llama(mesh)
     finally:
         dist.destroy_process_group()
 
@@ -274,3 +275,36 @@ def check_training(mesh, tokens: list[int]) -> None:
         params = dict(model.named_parameters())
         for name, p in ref.named_parameters():
             torch.testing.assert_close(full(params[name].detach()), p.detach(), rtol=1e-4, atol=1e-5)
+
+
+def check_hf_llama(mesh) -> None:
+    """A MoE-ified transformers Llama (two MoE layers, the aux loss added by its hook) trained
+    one step with parallelize_moe: each rank's loss and the reduced gradients equal the
+    single-process model's on the same batches."""
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moe.adapters import hf
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=2, aux_loss_coef=0.01), noise=0.05)
+    model.train()
+    ref = copy.deepcopy(model)
+    parallelize_moe(model, mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    loss = model(batches[rank], labels=batches[rank]).loss
+    loss.backward()
+    reduce_gradients(model, mesh, op="sum")
+    ref_losses = [ref(ids, labels=ids).loss for ids in batches]
+    sum(ref_losses).backward()
+    torch.testing.assert_close(loss, ref_losses[rank], rtol=1e-5, atol=1e-6)
+    params = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        got = full(params[name].grad)
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
