@@ -18,6 +18,7 @@ from .config import MoEConfig
 from .experts import GroupedExperts, SharedExperts
 from .kernels import permute, sort_slots, unpermute
 from .routing import RoutingResult, build_router
+from .routing.common import in_backward
 
 __all__ = ["MoE", "aux_loss"]
 
@@ -63,7 +64,12 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, cfg.dim)
         par = self.parallel
         x_in = par.gather_tokens(x_TD) if par is not None else x_TD  # the tokens routed together
-        res = self.router(x_in, seq_len=seq_len)  # raises on NaN / Inf input
+        try:
+            res = self.router(x_in, seq_len=seq_len)  # raises on NaN / Inf input
+        except ValueError as err:
+            if par is None:
+                raise
+            par.fail(self, err)  # the other ranks raise too instead of waiting for this one
         if cfg.fused and par is None:  # no sorted copy of the tokens or of the outputs
             gates = res.weights.to(x_in.dtype)
             info = sort_slots(res.expert_idx, num_experts=cfg.num_experts)
@@ -81,10 +87,11 @@ class MoE(nn.Module):
             y_TD = y_TD + (1 - gates.sum(dim=1, keepdim=True)) * x_TD
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        self._pending_loss = loss
-        self.last_routing = dataclasses.replace(
-            res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
-        )
+        if not in_backward():  # an activation-checkpointing re-run must not report its loss twice
+            self._pending_loss = loss
+            self.last_routing = dataclasses.replace(
+                res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
+            )
         return y_TD.view(x.shape)
 
     def extra_repr(self) -> str:

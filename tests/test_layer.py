@@ -67,6 +67,29 @@ def test_fused_layer_equals_unfused_with_gradients(backend):
         torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_routes_and_reports_once(reentrant):
+    """A checkpointed layer (its forward re-run in the backward) gives the plain layer's gradients;
+    the aux-loss-free bias moves once and the aux loss is collected once. (Reentrant checkpointing
+    runs the first forward without autograd, so the aux loss can carry no gradient there.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    opts = {"router_options": {"bias_update_rate": 0.1}, "aux_loss_coef": 0.0 if reentrant else 0.01}
+    layers = [make("tiny", **opts) for _ in range(2)]
+    x = torch.randn(2, 9, 32)
+    leaves = [x.clone().requires_grad_() for _ in layers]
+    outs = [layers[0](leaves[0]), checkpoint(layers[1], leaves[1], use_reentrant=reentrant)]
+    for layer, out in zip(layers, outs, strict=True):
+        (out.square().sum() + aux_loss(layer)).backward()
+        assert layer._pending_loss is None  # nothing left over from the re-run
+    torch.testing.assert_close(leaves[1].grad, leaves[0].grad)
+    torch.testing.assert_close(layers[1].router.bias, layers[0].router.bias)
+    assert layers[0].router.bias.abs().sum() > 0
+    params = dict(layers[1].named_parameters())
+    for name, p in layers[0].named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_base_balances_in_training_and_routes_greedily_in_eval():
     layer = make("tiny-base")
     x = torch.randn(22, 32)

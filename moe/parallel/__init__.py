@@ -4,13 +4,14 @@ Parallelism is applied from outside the layer; nothing here holds a process-grou
 """
 
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
-from .dispatch import DispatchInfo, combine, dispatch
+from .dispatch import DispatchInfo, PeerFailedError, combine, dispatch
 from .expert_parallel import ExpertParallel, GroupBalance, parallelize_moe, reduce_gradients
 
 __all__ = [
     "DispatchInfo",
     "ExpertParallel",
     "GroupBalance",
+    "PeerFailedError",
     "all_gather_rows",
     "all_to_all",
     "combine",

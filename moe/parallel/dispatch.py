@@ -34,9 +34,13 @@ from torch import Tensor
 
 from .all_to_all import all_to_all
 
-__all__ = ["STRATEGIES", "DispatchInfo", "combine", "dispatch", "resolve_strategy", "send_key"]
+__all__ = ["STRATEGIES", "DispatchInfo", "PeerFailedError", "combine", "dispatch", "resolve_strategy", "send_key"]
 
 STRATEGIES = ("auto", "resort", "per_expert")
+
+
+class PeerFailedError(ValueError):
+    """Another rank of the group failed before an exchange (it sent negative counts)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,9 @@ def dispatch(
         send_WE = c.view(world, per_rank) if strategy == "resort" else c.view(per_rank, world).T.contiguous()
         recv_WE = all_to_all(send_WE, [1] * world, [1] * world, group)
         send, recv = send_WE.tolist(), recv_WE.tolist()  # host sync: the sizes
+        failed = [dist.get_global_rank(group, j) for j, row in enumerate(recv) if any(c < 0 for c in row)]
+        if failed:  # a rank that could not route sent negative counts (ExpertParallel.fail)
+            raise PeerFailedError(f"expert-parallel ranks {failed} failed before the dispatch (see their errors)")
     counts_local = torch.tensor([sum(col) for col in zip(*recv, strict=True)], dtype=torch.int64)
     counts_local = counts_local.to(x_MD.device, non_blocking=True)
     if strategy == "per_expert":

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..layer import MoE
 from ..routing import BaseRouter, TopKRouter, balanced_assignment, expert_capacities
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
-from .dispatch import STRATEGIES, combine, dispatch, resolve_strategy, send_key
+from .dispatch import STRATEGIES, PeerFailedError, combine, dispatch, resolve_strategy, send_key
 
 __all__ = ["ExpertParallel", "GroupBalance", "parallelize_moe", "reduce_gradients"]
 
@@ -38,6 +38,12 @@ def _exchange_sizes(n: int, group, device: torch.device) -> list[int]:
     world = dist.get_world_size(group)
     sizes = all_to_all(torch.full((world,), n, dtype=torch.int64, device=device), [1] * world, [1] * world, group)
     return sizes.tolist()
+
+
+def _raise_if_failed(sizes: list[int], group) -> None:
+    failed = [dist.get_global_rank(group, j) for j, n in enumerate(sizes) if n < 0]
+    if failed:
+        raise PeerFailedError(f"expert-parallel ranks {failed} failed before the exchange (see their errors)")
 
 
 class GroupBalance:
@@ -51,6 +57,7 @@ class GroupBalance:
 
     def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
         sizes = _exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
+        _raise_if_failed(sizes, self.group)
         rows = all_gather_rows(scores_TE.detach(), sizes, self.group)  # the same (sum T, E) everywhere
         idx = balanced_assignment(rows, k, **options)
         start = sum(sizes[: dist.get_rank(self.group)])
@@ -90,6 +97,7 @@ class ExpertParallel:
     ) -> None:
         self.mesh, self.ep, self.etp, self.static_splits = mesh, ep, etp, static_splits
         self.num_experts = num_experts
+        self.device = torch.device(mesh.device_type)
         self.strategy = resolve_strategy(strategy, torch.device(mesh.device_type))
         self.ep_group = mesh.get_group(ep)
         self.ep_size = dist.get_world_size(self.ep_group)
@@ -110,22 +118,49 @@ class ExpertParallel:
         """The key the layer sorts its slots by: the order `dispatch` sends rows in."""
         return send_key(expert_idx, self.num_experts, self.ep_size, self.strategy)
 
-    def run_experts(self, layer: MoE, xs_MD: Tensor, counts_E: Tensor, routing) -> Tensor:
-        """Expert-sorted rows of the routed tokens -> the experts' outputs, in the same order."""
-        known = None
-        router = layer.router
-        if (
+    def _static(self, router) -> bool:
+        return (
             self.static_splits
             and isinstance(router, BaseRouter)
             and router.training
             and router.assign is balanced_assignment
-        ):
+        )
+
+    def run_experts(self, layer: MoE, xs_MD: Tensor, counts_E: Tensor, routing) -> Tensor:
+        """Expert-sorted rows of the routed tokens -> the experts' outputs, in the same order."""
+        known = None
+        if self._static(layer.router):
             num_tokens, k = routing.expert_idx.shape
             known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()
+            expected = torch.tensor(self._send_order(known), device=counts_E.device)
+            torch._assert_async((counts_E == expected).all())  # the promise, checked without a host sync
         x_local, counts_local, info = dispatch(
             xs_MD, counts_E, self.ep_group, known_counts=known, strategy=self.strategy
         )
         return combine(layer.experts(x_local, counts_local), info)
+
+    def _send_order(self, counts: list[int]) -> list[int]:
+        """Per-expert counts in the order the rows are sorted for sending."""
+        if self.strategy == "resort":
+            return counts
+        per_rank = self.num_experts // self.ep_size
+        return [counts[j * per_rank + e] for e in range(per_rank) for j in range(self.ep_size)]
+
+    def fail(self, layer: MoE, err: Exception) -> None:
+        """This rank cannot route (e.g. NaN input): join the collective the other ranks wait in
+        with a negative count, so they raise too, then raise ``err``. The static path has no
+        exchange to carry it (docs/parallel.md). An error that reports another rank's failure
+        is raised as it is: that rank has already told everyone."""
+        if isinstance(err, PeerFailedError):
+            raise err
+        router = layer.router
+        if isinstance(router, BaseRouter) and router.training and isinstance(router.assign, GroupBalance):
+            _exchange_sizes(-1, self.ep_group, self.device)
+        elif not self._static(router):
+            per_rank = self.num_experts // self.ep_size
+            poison = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
+            all_to_all(poison, [per_rank] * self.ep_size, [per_rank] * self.ep_size, self.ep_group)
+        raise err
 
     def scatter_tokens(self, y_TD: Tensor) -> Tensor:
         """Outputs of the routed tokens (partial sums over F under etp) -> this rank's rows."""
@@ -151,32 +186,51 @@ def _mesh_dim(mesh: DeviceMesh, name: str | None, arg: str) -> int | None:
     return names.index(name)
 
 
+def _difference(mine: dict, theirs: dict) -> str:
+    """Where two ranks' descriptions differ, in words."""
+    where = f"the MoE layers: {[n for n, *_ in mine['layers']]} here, {[n for n, *_ in theirs['layers']]} there"
+    pairs = [("parallelize_moe options", mine["options"], theirs["options"])]
+    if len(theirs["layers"]) == len(mine["layers"]):
+        pairs += [
+            (f"layer {a!r}", {**cfg, "parallelised": done}, {**other, "parallelised": other_done})
+            for (a, cfg, done), (_, other, other_done) in zip(mine["layers"], theirs["layers"], strict=True)
+        ]
+    for what, here, there in pairs:
+        diff = {k: (v, there.get(k)) for k, v in here.items() if there.get(k) != v}
+        if diff:
+            return f"{what}: (here, there) {diff}"
+    return where
+
+
 def _check_agreement(layers: list[tuple[str, MoE]], mesh: DeviceMesh, options: dict) -> None:
-    """Raise ValueError on every rank if any rank of the mesh has other layers or options."""
-    mine = {"options": options, "layers": [(name, dataclasses.asdict(layer.config)) for name, layer in layers]}
+    """Raise ValueError on every rank if any rank of the mesh has other layers or options.
+
+    Runs before any local check, so every rank takes part in the same collectives whatever its
+    arguments: one gather per mesh dimension, then one all-reduce per dimension of a mismatch
+    flag (a rank whose own groups agree still learns that a rank elsewhere in the mesh differs).
+    """
+    mine = {
+        "options": options,
+        "layers": [(name, dataclasses.asdict(layer.config), layer.parallel is not None) for name, layer in layers],
+    }
+    found = None
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
         for rank, theirs in enumerate(gathered):
-            if theirs == mine:
-                continue
-            where = f"the MoE layers: {[n for n, _ in mine['layers']]} here, {[n for n, _ in theirs['layers']]} there"
-            pairs = [("parallelize_moe options", mine["options"], theirs["options"])]
-            if len(theirs["layers"]) == len(mine["layers"]):
-                pairs += [
-                    (f"layer {a!r}", cfg, other)
-                    for (a, cfg), (_, other) in zip(mine["layers"], theirs["layers"], strict=True)
-                ]
-            for what, here, there in pairs:
-                diff = {k: (v, there.get(k)) for k, v in here.items() if there.get(k) != v}
-                if diff:
-                    where = f"{what}: (here, there) {diff}"
-                    break
-            raise ValueError(
-                f"ranks disagree on the MoE configuration: global rank {dist.get_global_rank(group, rank)} "
-                f"(mesh dimension {mesh.mesh_dim_names[dim]!r}) differs from this rank in {where}"
-            )
+            if found is None and theirs != mine:
+                found = (
+                    f"global rank {dist.get_global_rank(group, rank)} (mesh dimension "
+                    f"{mesh.mesh_dim_names[dim]!r}) differs from this rank in {_difference(mine, theirs)}"
+                )
+    flag = torch.tensor([float(found is not None)], device=mesh.device_type)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if flag.item():
+        raise ValueError(
+            "ranks disagree on the MoE configuration: " + (found or "another rank of the mesh found a difference")
+        )
 
 
 @torch.no_grad()
@@ -217,17 +271,7 @@ def parallelize_moe(
     """
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
-    ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
-    if dispatch_strategy not in STRATEGIES:
-        raise ValueError(f"dispatch_strategy must be one of {STRATEGIES}, got {dispatch_strategy!r}")
-    if ep_dim == etp_dim:
-        raise ValueError(f"ep and etp must name different mesh dimensions, got {ep!r} for both")
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
-    if not layers:
-        raise ValueError(f"module holds no MoE layer to parallelise ({type(module).__name__})")
-    for name, layer in layers:
-        if layer.parallel is not None:
-            raise ValueError(f"MoE layer {name!r} is already parallelised")
     options = {
         "ep": ep,
         "etp": etp,
@@ -236,7 +280,17 @@ def parallelize_moe(
         "dispatch_strategy": dispatch_strategy,
         "mesh": tuple(mesh.shape),
     }
-    _check_agreement(layers, mesh, options)
+    _check_agreement(layers, mesh, options)  # first: the checks below then fail alike on every rank
+    ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
+    if dispatch_strategy not in STRATEGIES:
+        raise ValueError(f"dispatch_strategy must be one of {STRATEGIES}, got {dispatch_strategy!r}")
+    if ep_dim == etp_dim:
+        raise ValueError(f"ep and etp must name different mesh dimensions, got {ep!r} for both")
+    if not layers:
+        raise ValueError(f"module holds no MoE layer to parallelise ({type(module).__name__})")
+    for name, layer in layers:
+        if layer.parallel is not None:
+            raise ValueError(f"MoE layer {name!r} is already parallelised")
     ep_size = mesh.size(ep_dim)
     etp_size = mesh.size(etp_dim) if etp_dim is not None else 1
     for name, layer in layers:
@@ -287,19 +341,26 @@ def reduce_gradients(module: nn.Module, mesh: DeviceMesh, *, op: str = "avg") ->
       replicate it (data parallel), never over ep or etp.
     - Every other parameter is replicated: summed over the whole mesh.
     - "avg" then divides both by the number of ranks in the mesh.
-    A parameter without a gradient counts as zero, so all ranks take part in every reduction.
+    A parameter without a gradient on some ranks counts as zero there, so all ranks take part in
+    every reduction; one without a gradient on every rank keeps ``grad = None`` (so an optimizer
+    skips it, as it would on one device).
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
+    params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    for name, p in params:
+        if isinstance(p, DTensor) and p.device_mesh != mesh:
+            raise ValueError(f"parameter {name!r} is a DTensor on another mesh ({p.device_mesh}); reduce it there")
+    has_grad = torch.tensor([float(p.grad is not None) for _, p in params], device=mesh.device_type)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    for (_, p), anywhere in zip(params, has_grad.tolist(), strict=True):
+        if not anywhere:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         g = p.grad
         if isinstance(g, DTensor):
-            if g.device_mesh != mesh:
-                raise ValueError(f"parameter {name!r} is a DTensor on another mesh ({g.device_mesh}); reduce it there")
             dims = [d for d, pl in enumerate(g.placements) if pl.is_replicate()]
             g = g.to_local()
         else:

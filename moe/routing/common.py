@@ -14,6 +14,12 @@ from .losses import load_balancing_loss, router_z_loss, sequence_load_balancing_
 __all__ = ["GatedRouter", "check_seq_len", "check_tokens", "drop_by_score", "gate_logits", "router_losses"]
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass: a forward called now is activation checkpointing
+    re-running it, and must neither repeat its side effects nor route differently."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def check_tokens(x_TD: Tensor, dim: int) -> None:
     """Raise ValueError unless ``x_TD`` is a finite floating (T, D) tensor with D == ``dim``."""
     if not isinstance(x_TD, Tensor):

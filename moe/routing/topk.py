@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import GatedRouter, check_seq_len, drop_by_score, router_losses
+from .common import GatedRouter, check_seq_len, drop_by_score, in_backward, router_losses
 from .config import RouterConfig
 from .result import RoutingResult, routing_stats
 
@@ -28,7 +28,8 @@ class TopKRouter(GatedRouter):
       ``config.bias_update_rate > 0`` every forward moves it, outside autograd, by
       ``rate * sign(mean_load - load_e)``, where loads count the selection before capacity drops.
       ``sum_over_ranks`` (set by ``moe.parallel.parallelize_moe``) sums the loads over the ranks
-      that share this router, so the bias stays the same on all of them.
+      that share this router, so the bias stays the same on all of them. A forward re-run by
+      activation checkpointing selects with the bias its first run used and moves nothing.
     - Group-limited routing (``n_groups > 1``): experts form ``n_groups`` contiguous groups; a
       group's score is the sum of its two best (biased) scores, one when a group has a single
       expert; each token may only choose experts of its ``topk_groups`` best groups.
@@ -51,6 +52,7 @@ class TopKRouter(GatedRouter):
         super().__init__(config)
         self.register_buffer("bias", torch.zeros(config.num_experts))  # (E,) selection-only bias
         self.sum_over_ranks = None  # Tensor -> Tensor summed over the ranks sharing this router
+        self._forward_bias = None  # the bias the last forward selected with (for a recompute)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -69,11 +71,14 @@ class TopKRouter(GatedRouter):
         check_seq_len(cfg, seq_len, num_tokens)
 
         scores_TE = logits_TE.softmax(dim=-1) if cfg.score_func == "softmax" else logits_TE.sigmoid()
-        idx_TK = self._select(scores_TE.detach())
+        recompute = in_backward()  # activation checkpointing: select as the first forward did
+        bias = self._forward_bias if recompute and self._forward_bias is not None else self.bias
+        idx_TK = self._select(scores_TE.detach(), bias)
         gates_TK = scores_TE.gather(1, idx_TK)
         if cfg.renormalize:
             gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True).clamp(min=_TINY)
-        if self.training and cfg.bias_update_rate > 0:
+        if self.training and cfg.bias_update_rate > 0 and not recompute:
+            self._forward_bias = self.bias.clone()
             self._update_bias(idx_TK)
 
         if cfg.score_func == "softmax":
@@ -94,10 +99,10 @@ class TopKRouter(GatedRouter):
             expert_idx=idx_TK, weights=gates_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )
 
-    def _select(self, scores_TE: Tensor) -> Tensor:
+    def _select(self, scores_TE: Tensor, bias_E: Tensor) -> Tensor:
         """(T, E) scores without grad -> (T, K) chosen experts, honouring the bias and group limits."""
         cfg = self.config
-        sel_TE = scores_TE + self.bias.float()
+        sel_TE = scores_TE + bias_E.float()
         groups = cfg.n_groups
         if groups > 1 and cfg.topk_groups < groups:
             num_tokens, num_experts = sel_TE.shape

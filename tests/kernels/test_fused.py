@@ -88,11 +88,11 @@ def test_gradcheck_opcheck_and_compile():
     torch.autograd.gradcheck(f, (x, w, w2, gates))
     scale = gates.detach().reshape(-1)[info.slot]
     h = gather_grouped_mm(x, w, info, backend="torch").detach()
+    # inputs that require grad, so opcheck runs the registered backwards too
+    torch_library.opcheck(torch.ops.moe.gather_mm.default, (x, w, info.slot, info.counts, k, False, "torch", x.dtype))
     torch_library.opcheck(
-        torch.ops.moe.gather_mm.default, (x.detach(), w.detach(), info.slot, info.counts, k, False, "torch", x.dtype)
-    )
-    torch_library.opcheck(
-        torch.ops.moe.mm_scatter.default, (h, w2.detach(), info.slot, scale, info.counts, t, k, False, "torch")
+        torch.ops.moe.mm_scatter.default,
+        (h.requires_grad_(), w2, info.slot, scale.requires_grad_(), info.counts, t, k, False, "torch"),
     )
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)  # a graph break raises
     leaves = [v.detach().float().requires_grad_() for v in (x, w, w2, gates)]

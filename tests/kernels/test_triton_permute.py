@@ -58,8 +58,10 @@ def test_triton_path_is_custom_ops_that_compile():
     y = torch.randn(info.slot.shape[0], 16, device=DEVICE)
     w = weights.to(DEVICE)
     ops = torch.ops.moe
-    torch_library.opcheck(ops.triton_permute.default, (x, info.token, info.row_of_slot, 2))
-    torch_library.opcheck(ops.triton_unpermute.default, (y, w, info.row_of_slot, info.slot, info.token))
+    # inputs that require grad, so opcheck runs the registered backwards too
+    xg, yg, wg = (v.clone().requires_grad_() for v in (x, y, w))
+    torch_library.opcheck(ops.triton_permute.default, (xg, info.token, info.row_of_slot, 2))
+    torch_library.opcheck(ops.triton_unpermute.default, (yg, wg, info.row_of_slot, info.slot, info.token))
 
     def f(x_, w_):
         return unpermute(permute_rows(x_, info, backend="triton") * 1.5, info, w_, backend="triton").square().sum()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.parallel import all_to_all
+from moe.parallel import all_gather_rows, all_to_all, reduce_scatter_rows
 
 from .launch import init, spawn
 
@@ -26,6 +26,7 @@ def worker(rank: int, world: int, store: str) -> None:
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
             check(rank, world, dtype)
+        check_gather_and_reduce_scatter(rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -52,3 +53,29 @@ def check(rank: int, world: int, dtype) -> None:
 def test_all_to_all_uneven_splits_gradients_and_dtypes(world):
     # fp32, bf16 and int64 in one process group per world size (each spawn costs seconds)
     spawn(worker, world)
+
+
+def check_gather_and_reduce_scatter(rank: int, world: int) -> None:
+    """Uneven row counts (rank 1 has none): all_gather_rows stacks every rank's rows and its
+    backward sums the ranks' gradients for this rank's rows; reduce_scatter_rows sums this
+    rank's block over the ranks and its backward hands every rank the gradient of the block."""
+    sizes = [r + 1 if r != 1 else 0 for r in range(world)]
+    rows = [torch.arange(sizes[r] * 2, dtype=torch.float64).view(-1, 2) + 100 * r for r in range(world)]
+    x = rows[rank].clone().requires_grad_()
+    y = all_gather_rows(x, sizes)
+    assert torch.equal(y.detach(), torch.cat(rows))
+    (y * (rank + 1)).sum().backward()  # every rank weighs what it received by (rank + 1)
+    assert torch.equal(x.grad, torch.full_like(x, sum(range(1, world + 1))))
+
+    total = sum(sizes)
+    z = (torch.arange(total * 2, dtype=torch.float64).view(total, 2) * (rank + 1)).requires_grad_()
+    mine = reduce_scatter_rows(z, sizes)
+    start = sum(sizes[:rank])
+    expect = torch.arange(total * 2, dtype=torch.float64).view(total, 2)[start : start + sizes[rank]]
+    assert torch.equal(mine.detach(), expect * sum(range(1, world + 1)))
+    (mine * (rank + 1)).sum().backward()  # rank j's block is weighed by (j + 1)
+    weights = torch.cat([torch.full((n, 2), j + 1.0, dtype=torch.float64) for j, n in enumerate(sizes)])
+    assert torch.equal(z.grad, weights)
+    wrong = [n + (r == rank) for r, n in enumerate(sizes)]  # this rank's own count is off: checked locally
+    with pytest.raises(ValueError, match="sizes"):
+        all_gather_rows(x.detach(), wrong)

@@ -167,6 +167,7 @@ def worker_ep2(rank: int, world: int, store: str) -> None:
         check_bad_arguments(mesh)
         check_training(mesh, [6, 3])
         check_hf_llama(mesh)
+        check_failing_rank(mesh)
     finally:
         dist.destroy_process_group()
 
@@ -183,6 +184,7 @@ def worker_ep4(rank: int, world: int, store: str) -> None:
             check_layer(case, dp_ep, [2, 5, 4, 1])
         check_layer("base-k2", ep_etp, [4, 4, 4, 4], etp="etp", static_splits=True)
         check_layer("topk", ep4, [5, 0, 3, 6], dispatch_strategy="resort")
+        check_disagreement_2d(dp_ep)
     finally:
         dist.destroy_process_group()
 
@@ -199,10 +201,13 @@ def worker_checkpoint(rank: int, world: int, store: str, path: str) -> None:
     init(rank, world, store)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-        if world == 2:  # save at EP=2
+        if world == 2:  # save at EP=2, and what was saved, gathered whole, beside it
             layer = parallelize_moe(build("topk-bias"), mesh)
             layer(tokens_of("topk-bias", rank, 6))  # moves the bias buffer too
             dcp.save(layer.state_dict(), checkpoint_id=path)
+            expect = {name: full(value).clone() for name, value in layer.state_dict().items()}
+            if rank == 0:
+                torch.save(expect, os.path.join(path, "expect.pt"))
         else:  # load at EP=4 into a layer built from another seed
             layer = parallelize_moe(build("topk-bias", seed=1), mesh)
             state = layer.state_dict()
@@ -218,38 +223,16 @@ def worker_checkpoint(rank: int, world: int, store: str, path: str) -> None:
 def test_checkpoint_moves_between_ep_sizes(tmp_path):
     path = str(tmp_path / "ckpt")
     spawn(worker_checkpoint, 2, path)
+    expect = torch.load(os.path.join(path, "expect.pt"))
+    assert expect["router.bias"].abs().sum() > 0  # the step moved the bias before the save
     # EP=1: one process, no process group, plain tensors
     layer = build("topk-bias", seed=1)
     state = layer.state_dict()
     dcp.load(state, checkpoint_id=path, no_dist=True)
-    saved = build("topk-bias")  # what was saved: the seed-0 layer, bias moved by the step
-    assert not torch.equal(layer.router.bias, saved.router.bias)  # the step moved it
-    for name, value in saved.state_dict().items():
-        if name != "router.bias":
-            torch.testing.assert_close(layer.state_dict()[name], value, rtol=0, atol=0)
-    torch.save(layer.state_dict(), os.path.join(path, "expect.pt"))
+    assert state.keys() == expect.keys()
+    for name, value in layer.state_dict().items():
+        torch.testing.assert_close(value, expect[name], rtol=0, atol=0)
     spawn(worker_checkpoint, 4, path)
-
-
-def check_bad_arguments(mesh) -> None:
-    """Bad arguments raise ValueError naming the argument, on every rank alike."""
-    with pytest.raises(ValueError, match="ep must name a dimension"):
-        parallelize_moe(build("topk"), mesh, ep="experts")
-    with pytest.raises(ValueError, match="different mesh dimensions"):
-        parallelize_moe(build("topk"), mesh, etp="ep")
-    with pytest.raises(ValueError, match="no MoE layer"):
-        parallelize_moe(torch.nn.Linear(2, 2), mesh)
-    with pytest.raises(ValueError, match="num_experts=3 must be divisible"):
-        parallelize_moe(build("topk", num_experts=3), mesh)
-    with pytest.raises(ValueError, match="global_base=True needs BASE"):
-        parallelize_moe(build("topk"), mesh, global_base=True)
-    layer = parallelize_moe(build("topk"), mesh)
-    with pytest.raises(ValueError, match="already parallelised"):
-        parallelize_moe(layer, mesh)
-    with pytest.raises(ValueError, match="dispatch_strategy must be one of"):
-        parallelize_moe(build("topk"), mesh, dispatch_strategy="fast")
-    with pytest.raises(ValueError, match="op must be"):
-        reduce_gradients(layer, mesh, op="mean")
 
 
 def check_training(mesh, tokens: list[int]) -> None:
@@ -308,3 +291,49 @@ def check_hf_llama(mesh) -> None:
     for name, p in ref.named_parameters():
         got = full(params[name].grad)
         torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_disagreement_2d(mesh) -> None:
+    """On a (dp, ep) mesh, one rank with another layer or another argument: every rank raises,
+    also those whose own groups agree."""
+    rank = dist.get_rank()
+    with pytest.raises(ValueError, match="disagree"):
+        parallelize_moe(build("topk", hidden_dim=16 if rank == 0 else 12), mesh)
+    with pytest.raises(ValueError, match="disagree"):
+        parallelize_moe(build("topk"), mesh, ep="bogus" if rank == 3 else "ep")
+
+
+def check_failing_rank(mesh) -> None:
+    """A rank whose input cannot be routed (NaN) raises, and so do the others, instead of waiting
+    for it in the next collective: counted dispatch and global BASE."""
+    rank = dist.get_rank()
+    for case, options in (("topk", {}), ("base", {"global_base": True})):
+        layer = parallelize_moe(build(case), mesh, **options)
+        x = tokens_of(case, rank, 5)
+        if rank == 1:
+            x[2, 3] = float("nan")
+        with pytest.raises(ValueError, match="finite" if rank == 1 else r"ranks \[1\] failed"):
+            layer(x)
+        y = layer(tokens_of(case, rank, 5))  # the group is still usable afterwards
+        assert torch.isfinite(y).all()
+
+
+def check_bad_arguments(mesh) -> None:
+    """Bad arguments raise ValueError naming the argument, on every rank alike."""
+    with pytest.raises(ValueError, match="ep must name a dimension"):
+        parallelize_moe(build("topk"), mesh, ep="experts")
+    with pytest.raises(ValueError, match="different mesh dimensions"):
+        parallelize_moe(build("topk"), mesh, etp="ep")
+    with pytest.raises(ValueError, match="no MoE layer"):
+        parallelize_moe(torch.nn.Linear(2, 2), mesh)
+    with pytest.raises(ValueError, match="num_experts=3 must be divisible"):
+        parallelize_moe(build("topk", num_experts=3), mesh)
+    with pytest.raises(ValueError, match="global_base=True needs BASE"):
+        parallelize_moe(build("topk"), mesh, global_base=True)
+    layer = parallelize_moe(build("topk"), mesh)
+    with pytest.raises(ValueError, match="already parallelised"):
+        parallelize_moe(layer, mesh)
+    with pytest.raises(ValueError, match="dispatch_strategy must be one of"):
+        parallelize_moe(build("topk"), mesh, dispatch_strategy="fast")
+    with pytest.raises(ValueError, match="op must be"):
+        reduce_gradients(layer, mesh, op="mean")
