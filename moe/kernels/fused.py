@@ -54,7 +54,7 @@ def _gather_mm_op(
         from .triton_grouped_mm import triton_forward
 
         return triton_forward(x_TI, _w_view(w, trans_w), counts_E, out_dtype, a_rows=token_M)
-    return _forward(x_TI[token_M], w, counts_E, trans_w, backend, out_dtype)
+    return _forward(x_TI.index_select(0, token_M), w, counts_E, trans_w, backend, out_dtype)
 
 
 @_gather_mm_op.register_fake
@@ -111,8 +111,8 @@ def _gather_wgrad_op(
 
         dw = triton_wgrad(x, dy, counts_E, a_rows=a_rows, b_rows=b_rows, b_scale=b_scale)
         return (dw.transpose(1, 2) if trans_w else dw).contiguous()
-    x_rows = x if a_rows is None else x[a_rows]
-    dy_rows = dy if b_rows is None else (dy[b_rows].float() * b_scale.float()[:, None]).to(dy.dtype)
+    x_rows = x if a_rows is None else x.index_select(0, a_rows)
+    dy_rows = dy if b_rows is None else (dy.index_select(0, b_rows).float() * b_scale.float()[:, None]).to(dy.dtype)
     return _wgrad(x_rows, dy_rows, counts_E, trans_w, backend)
 
 

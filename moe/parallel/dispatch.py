@@ -157,7 +157,7 @@ def dispatch(
         segments += [(starts[j][e], recv[j][e]) for j in range(world)]
     order = torch.cat([torch.arange(s, s + n) for s, n in segments]).to(x_MD.device, non_blocking=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return x_recv[order], counts_local, DispatchInfo(strategy, send, recv, order, inverse, group)
+    return x_recv.index_select(0, order), counts_local, DispatchInfo(strategy, send, recv, order, inverse, group)
 
 
 def combine(y_local: Tensor, info: DispatchInfo) -> Tensor:
@@ -165,5 +165,5 @@ def combine(y_local: Tensor, info: DispatchInfo) -> Tensor:
     rank's send order."""
     if info.strategy == "per_expert":
         return _ExpertBlocks.apply(y_local, _transpose(info.recv), _transpose(info.send), info.group)
-    y_recv = y_local if info.inverse is None else y_local[info.inverse]
+    y_recv = y_local if info.inverse is None else y_local.index_select(0, info.inverse)
     return all_to_all(y_recv, [sum(row) for row in info.send], [sum(row) for row in info.recv], info.group)
