@@ -20,37 +20,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import run_meta, write_section
+from benchmarks.common import run_meta, timed_turns, write_section
 from moe.parallel import combine, dispatch
 from moe.routing import expert_capacities
 
 
 def _time(fns: dict, repeats: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of each function, on the slowest rank: the functions run in turn, each
-    repeat started together on every rank, so drift in the machine hits them alike."""
+    """Median seconds of each function, on the slowest rank: the functions take turns, and every
+    run starts together on every rank (an untimed barrier first)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    samples = torch.zeros(len(fns), repeats, dtype=torch.float64)
-    for fn in fns.values():  # warm-up
-        _once(fn, sync)
-    for r in range(repeats):
-        for i, fn in enumerate(fns.values()):
-            dist.barrier()
-            samples[i, r] = _once(fn, sync)
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX)  # each repeat takes as long as its slowest rank
-    return {name: float(samples[i].median()) for i, name in enumerate(fns)}
-
-
-def _once(fn, sync) -> float:
-    t0 = time.perf_counter()
-    fn()
-    if sync:
-        sync()
-    return time.perf_counter() - t0
+    samples = timed_turns(fns, repeats, sync, before=dist.barrier)
+    t = torch.tensor([samples[name] for name in fns], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # each run takes as long as its slowest rank
+    return {name: float(t[i].median()) for i, name in enumerate(fns)}
 
 
 def sweep(sizes: list[int], repeats: int, device: torch.device) -> list[dict]:

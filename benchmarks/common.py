@@ -44,6 +44,30 @@ def timed(fn, repeats: int, sync=None) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def timed_turns(fns: dict, repeats: int, sync=None, before=None) -> dict[str, list[float]]:
+    """Seconds of every run of each function, the functions taking turns within each repeat
+    (after one warm-up each), so drift in the machine's speed hits them alike. ``before`` runs,
+    untimed, before every run (e.g. a barrier)."""
+    for fn in fns.values():
+        once(fn, sync)
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if before:
+                before()
+            samples[name].append(once(fn, sync))
+    return samples
+
+
+def once(fn, sync=None) -> float:
+    """Seconds of one call of ``fn`` (``sync`` after it, e.g. torch.cuda.synchronize)."""
+    t0 = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - t0
+
+
 def run_meta(module: str, argv: list[str] | None, device: torch.device | None = None) -> dict:
     """The command that ran (``python -m module args``), the machine, threads, torch and date."""
     cuda = device is not None and device.type == "cuda"
