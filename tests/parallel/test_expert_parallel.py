@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from moe import MoE, MoEConfig, aux_loss
+from moe.kernels import permute
 from moe.parallel import parallelize_moe, reduce_gradients
 from moe.routing import expert_capacities
 
@@ -168,6 +169,7 @@ def worker_ep2(rank: int, world: int, store: str) -> None:
         check_training(mesh, [6, 3])
         check_hf_llama(mesh)
         check_failing_rank(mesh)
+        check_promises_and_missing_grads(mesh)
     finally:
         dist.destroy_process_group()
 
@@ -337,3 +339,23 @@ def check_bad_arguments(mesh) -> None:
         parallelize_moe(build("topk"), mesh, dispatch_strategy="fast")
     with pytest.raises(ValueError, match="op must be"):
         reduce_gradients(layer, mesh, op="mean")
+
+
+def check_promises_and_missing_grads(mesh) -> None:
+    """static_splits' counts are checked on the device; reduce_gradients leaves grad None where
+    no rank has a gradient and counts a missing one as zero where another rank has one."""
+    layer = parallelize_moe(build("base-k2"), mesh, static_splits=True)
+    x = tokens_of("base-k2", dist.get_rank(), 6)
+    res = layer.router(x)
+    xs, info = permute(x, layer.parallel.sort_key(res.expert_idx), num_experts=4)
+    wrong = info.counts.flip(0) + torch.tensor([1, 0, 0, -1])  # not the balanced loads
+    with pytest.raises(RuntimeError):
+        layer.parallel.run_experts(layer, xs, wrong, res)
+
+    model = torch.nn.ModuleDict({"moe": build("topk"), "unused": torch.nn.Linear(2, 2), "some": torch.nn.Linear(2, 2)})
+    parallelize_moe(model, mesh)
+    if dist.get_rank() == 0:  # only rank 0 uses "some"
+        model["some"](torch.ones(1, 2)).sum().backward()
+    reduce_gradients(model, mesh, op="sum")
+    assert model["unused"].weight.grad is None
+    torch.testing.assert_close(model["some"].weight.grad, torch.ones(2, 2))
