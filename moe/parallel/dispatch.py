@@ -134,7 +134,8 @@ def dispatch(
     else:
         c = counts_E.to(torch.int64)
         send_WE = c.view(world, per_rank) if strategy == "resort" else c.view(per_rank, world).T.contiguous()
-        recv_WE = all_to_all(send_WE, [1] * world, [1] * world, group)
+        recv_WE = torch.empty_like(send_WE)  # counts need no autograd: the in-place collective is cheaper
+        dist.all_to_all_single(recv_WE, send_WE, group=group)
         send, recv = send_WE.tolist(), recv_WE.tolist()  # host sync: the sizes
         failed = [dist.get_global_rank(group, j) for j, row in enumerate(recv) if any(c < 0 for c in row)]
         if failed:  # a rank that could not route sent negative counts (ExpertParallel.fail)
