@@ -83,6 +83,15 @@ def gather_methods(counts: torch.Tensor, k: int, backend: str) -> tuple[dict, in
     }, t
 
 
+def _row(shape: str, mine: tuple[int, int, int, int], skewed: bool, method: str, fwd: float, fb: float) -> dict:
+    """One table row: times and TFLOP/s (forward 2*M*I*N FLOPs, forward + backward three times that)."""
+    m, i, n, e = mine
+    flops = 2 * m * i * n
+    return dict(shape=shape, M=m, I=i, N=n, E=e, counts="skewed" if skewed else "uniform", method=method,
+                fwd_ms=fwd * 1e3, fwd_tflops=flops / fwd / 1e12, fwdbwd_ms=fb * 1e3,
+                fwdbwd_tflops=3 * flops / fb / 1e12)  # fmt: skip
+
+
 def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) -> list[dict]:
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     rows = []
@@ -92,7 +101,6 @@ def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) ->
         g = torch.Generator().manual_seed(0)
         x = torch.randn(m, i, generator=g).to(device, dtype)
         w = (torch.randn(e, i, n, generator=g) / i**0.5).to(device, dtype)
-        flops = 2 * m * i * n
         for skewed in (False, True):
             counts = make_counts(m, e, skewed).to(device)
             cases = {meth: (fn, w) for meth, fn in methods(device).items()}
@@ -106,21 +114,13 @@ def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) ->
                     continue
                 if meth.startswith("dense"):
                     dense_fwd, dense_bwd = fwd, fb
-                rows.append(
-                    dict(shape=name, M=m, I=i, N=n, E=e, counts="skewed" if skewed else "uniform", method=meth,
-                         fwd_ms=fwd * 1e3, fwd_tflops=flops / fwd / 1e12, fwdbwd_ms=fb * 1e3,
-                         fwdbwd_tflops=3 * flops / fb / 1e12)
-                )  # fmt: skip
+                rows.append(_row(name, (m, i, n, e), skewed, meth, fwd, fb))
             if device.type == "cuda":  # the fusion only changes anything with the triton kernels
                 fused, t = gather_methods(counts, sh["k"], "triton")
                 x_tokens = torch.randn(t, i, generator=g).to(device, dtype)
                 for meth, fn in fused.items():
                     fwd, fb = measure(fn, x_tokens, w, counts, repeats, sync)
-                    rows.append(
-                        dict(shape=name, M=t * sh["k"], I=i, N=n, E=e, counts="skewed" if skewed else "uniform",
-                             method=meth, fwd_ms=fwd * 1e3, fwd_tflops=flops / fwd / 1e12, fwdbwd_ms=fb * 1e3,
-                             fwdbwd_tflops=3 * flops / fb / 1e12)
-                    )  # fmt: skip
+                    rows.append(_row(name, (t * sh["k"], i, n, e), skewed, meth, fwd, fb))
             for r in rows:
                 if r["shape"] == name and r["counts"] == ("skewed" if skewed else "uniform") and dense_fwd:
                     r["fwd_vs_dense"] = dense_fwd * 1e3 / r["fwd_ms"]
