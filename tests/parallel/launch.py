@@ -2,7 +2,9 @@
 every group so a bug fails the test instead of hanging it."""
 
 import datetime
+import faulthandler
 import os
+import signal
 import sys
 import tempfile
 
@@ -11,6 +13,8 @@ import torch.multiprocessing as mp
 
 
 def _run(rank: int, fn, world: int, store: str, *args) -> None:
+    # a rank stuck while another failed is stopped by spawn with SIGTERM: print where it was
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     fn(rank, world, store, *args)  # an exception propagates: spawn reports it
     # Success: leave without interpreter teardown, where a background thread of the
     # communication stack was seen, rarely, to abort the process ("terminate called without an
