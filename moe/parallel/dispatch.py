@@ -48,8 +48,7 @@ class DispatchInfo:
     strategy: str  # "resort" or "per_expert"
     send: list[list[int]]  # (W, El): rows sent to rank j for its local expert e
     recv: list[list[int]]  # (W, El): rows received from rank j for local expert e
-    order: Tensor | None  # resort: received row of each local row; None when it is the identity
-    inverse: Tensor | None  # resort: local row of each received row
+    inverse: Tensor | None  # resort: local row of each received row; None when it is the identity
     group: object  # the process group
 
 
@@ -144,10 +143,10 @@ def dispatch(
     counts_local = counts_local.to(x_MD.device, non_blocking=True)
     if strategy == "per_expert":
         x_local = _ExpertBlocks.apply(x_MD, _transpose(send), _transpose(recv), group)
-        return x_local, counts_local, DispatchInfo(strategy, send, recv, None, None, group)
+        return x_local, counts_local, DispatchInfo(strategy, send, recv, None, group)
     x_recv = all_to_all(x_MD, [sum(row) for row in recv], [sum(row) for row in send], group)
     if per_rank == 1 or world == 1:  # (source, expert) order is already (expert, source) order
-        return x_recv, counts_local, DispatchInfo(strategy, send, recv, None, None, group)
+        return x_recv, counts_local, DispatchInfo(strategy, send, recv, None, group)
     # received layout: by source rank, then expert; local layout: by expert, then source rank
     starts, segments = [], []
     pos = 0
@@ -158,7 +157,7 @@ def dispatch(
         segments += [(starts[j][e], recv[j][e]) for j in range(world)]
     order = torch.cat([torch.arange(s, s + n) for s, n in segments]).to(x_MD.device, non_blocking=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return x_recv.index_select(0, order), counts_local, DispatchInfo(strategy, send, recv, order, inverse, group)
+    return x_recv.index_select(0, order), counts_local, DispatchInfo(strategy, send, recv, inverse, group)
 
 
 def combine(y_local: Tensor, info: DispatchInfo) -> Tensor:

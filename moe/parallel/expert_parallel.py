@@ -64,6 +64,13 @@ class GroupBalance:
         return idx[start : start + scores_TE.shape[0]]
 
 
+def _all_reduce_mesh(t: Tensor, mesh: DeviceMesh, op=dist.ReduceOp.SUM) -> Tensor:
+    """Reduce ``t`` in place over every rank of ``mesh`` (one all-reduce per dimension)."""
+    for dim in range(mesh.ndim):
+        dist.all_reduce(t, op=op, group=mesh.get_group(dim))
+    return t
+
+
 class _MeshSum:
     """Sum a tensor over every rank of a mesh (one all-reduce per mesh dimension)."""
 
@@ -71,10 +78,7 @@ class _MeshSum:
         self.mesh = mesh
 
     def __call__(self, t: Tensor) -> Tensor:
-        t = t.clone()
-        for dim in range(self.mesh.ndim):
-            dist.all_reduce(t, group=self.mesh.get_group(dim))
-        return t
+        return _all_reduce_mesh(t.clone(), self.mesh)
 
 
 class ExpertParallel:
@@ -95,7 +99,7 @@ class ExpertParallel:
         static_splits: bool = False,
         strategy: str = "auto",
     ) -> None:
-        self.mesh, self.ep, self.etp, self.static_splits = mesh, ep, etp, static_splits
+        self.static_splits = static_splits
         self.num_experts = num_experts
         self.device = torch.device(mesh.device_type)
         self.strategy = resolve_strategy(strategy, torch.device(mesh.device_type))
@@ -225,8 +229,7 @@ def _check_agreement(layers: list[tuple[str, MoE]], mesh: DeviceMesh, options: d
                     f"{mesh.mesh_dim_names[dim]!r}) differs from this rank in {_difference(mine, theirs)}"
                 )
     flag = torch.tensor([float(found is not None)], device=mesh.device_type)
-    for dim in range(mesh.ndim):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    _all_reduce_mesh(flag, mesh, dist.ReduceOp.MAX)
     if flag.item():
         raise ValueError(
             "ranks disagree on the MoE configuration: " + (found or "another rank of the mesh found a difference")
@@ -352,8 +355,7 @@ def reduce_gradients(module: nn.Module, mesh: DeviceMesh, *, op: str = "avg") ->
         if isinstance(p, DTensor) and p.device_mesh != mesh:
             raise ValueError(f"parameter {name!r} is a DTensor on another mesh ({p.device_mesh}); reduce it there")
     has_grad = torch.tensor([float(p.grad is not None) for _, p in params], device=mesh.device_type)
-    for dim in range(mesh.ndim):
-        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    _all_reduce_mesh(has_grad, mesh, dist.ReduceOp.MAX)
     for (_, p), anywhere in zip(params, has_grad.tolist(), strict=True):
         if not anywhere:
             continue
