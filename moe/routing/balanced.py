@@ -86,22 +86,29 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
 
     Subtracting a per-token constant and dividing by one positive scale does not change the
     optimal assignment, and makes every later tolerance relative to the largest per-token score
-    range. Dividing by the largest magnitude first keeps huge finite inputs from overflowing.
-    Without the jitter, tokens with identical scores cannot be told apart by prices and each
-    one costs an exchange later; with it, the objective moves by less than ``jitter`` per slot.
+    range R. Huge finite inputs are divided by their largest magnitude first, so the differences
+    cannot overflow. Without the jitter, tokens with identical scores cannot be told apart by
+    prices and each one costs an exchange later; with it, the objective moves by less than
+    ``jitter`` per slot. One host sync (the finiteness check and the scale).
     """
-    s = scores.T.to(torch.promote_types(scores.dtype, torch.float32)).clone(memory_format=torch.contiguous_format)
-    big = s.abs().amax()
-    _check_finite(big, scores)
-    s.div_(torch.where(big > 0, big, 1.0))  # in place on our own copy from here on
-    s.sub_(s.amax(dim=0))
-    scale = -s.amin()
-    s.div_(torch.where(scale > 0, scale, 1.0))
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)  # per token; NaN propagates
+    big, half = torch.stack([torch.maximum(hi.abs(), lo.abs()).amax(), (hi * 0.5 - lo * 0.5).amax()]).tolist()
+    if not math.isfinite(big):
+        raise ValueError(f"scores must be finite: found NaN or Inf in a tensor of shape {tuple(scores.shape)}")
+    x, scale = scores, 2 * half
+    if big > 1e30:  # differences of such values could overflow: bring them to [-1, 1] first
+        x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
+        scale = float((hi - lo).amax())
+    num_tokens, num_experts = scores.shape
+    s = x.T.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    s.sub_(hi)
+    if scale > 0:
+        s.mul_(1.0 / scale)
     if jitter > 0:  # frac(t * phi + e * psi): a fixed low-discrepancy pattern in [0, 1)
-        num_experts, num_tokens = s.shape
         u = (torch.arange(num_tokens, device=s.device, dtype=torch.float64) * 0.6180339887498949).frac()
         v = (torch.arange(num_experts, device=s.device, dtype=torch.float64) * 0.7548776662466927).frac()
-        s += (u.to(s.dtype) + v.to(s.dtype)[:, None]).frac_() * jitter
+        s.add_((u.to(dtype) + v.to(dtype)[:, None]).frac_(), alpha=jitter)
     return s
 
 
@@ -121,49 +128,133 @@ def _top_values(a_ET: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.stack(vals), torch.stack(idxs)
 
 
-def _margins(a_ET: Tensor, k: int) -> Tensor:
+class _Work:
+    """Work buffers shaped like the (E, T) scores, reused by every pass of one solve: a fresh
+    large tensor costs a page fault per 4 KiB on first touch, which on CPU is as slow as the
+    arithmetic itself."""
+
+    def __init__(self, s_ET: Tensor) -> None:
+        num_experts, num_tokens = s_ET.shape
+        half = max(1, num_experts // 2)
+        self.a = torch.empty_like(s_ET)
+        self.b = torch.empty_like(s_ET)
+        self.hi = s_ET.new_empty(half, num_tokens)
+        self.lo = s_ET.new_empty(half, num_tokens)
+        self.tmp = s_ET.new_empty(max(1, half // 2), num_tokens)
+        self.idx = torch.empty(s_ET.shape, dtype=torch.int32, device=s_ET.device)
+
+    def shifted(self, s_ET: Tensor, p: Tensor) -> Tensor:
+        """``s - p`` in buffer ``a``."""
+        return torch.sub(s_ET, p, out=self.a)
+
+
+def _merge_row(hi: Tensor, lo: Tensor, x_hi: Tensor, x_lo: Tensor) -> None:
+    """Fold one more (largest, second largest) pair of rows into row 0 of ``hi``, ``lo``."""
+    lo[0] = torch.maximum(torch.maximum(lo[0], x_lo), torch.minimum(hi[0], x_hi))
+    hi[0] = torch.maximum(hi[0], x_hi)
+
+
+def _top2(a_ET: Tensor, work: _Work | None = None) -> tuple[Tensor, Tensor]:
+    """Largest and second largest entry of every column (T,), (T,), by a tournament of
+    elementwise max and min over halves of the rows (cheaper than a sort or a masked reduction)."""
+    num_experts, num_tokens = a_ET.shape
+    if num_experts == 1:
+        return a_ET[0].clone(), a_ET.new_full((num_tokens,), float("-inf"))
+    work = _Work(a_ET) if work is None else work
+    h = num_experts // 2
+    hi, lo, tmp = work.hi[:h], work.lo[:h], work.tmp
+    torch.maximum(a_ET[:h], a_ET[h : 2 * h], out=hi)
+    torch.minimum(a_ET[:h], a_ET[h : 2 * h], out=lo)
+    if num_experts % 2:
+        _merge_row(hi, lo, a_ET[2 * h], a_ET.new_full((num_tokens,), float("-inf")))
+    n = h
+    while n > 1:
+        h = n // 2
+        x, y, x_lo, y_lo = hi[:h], hi[h : 2 * h], lo[:h], lo[h : 2 * h]
+        t = torch.minimum(x, y, out=tmp[:h])
+        torch.maximum(x, y, out=x)
+        torch.maximum(x_lo, y_lo, out=x_lo)
+        torch.maximum(x_lo, t, out=x_lo)
+        if n % 2:
+            _merge_row(hi, lo, hi[2 * h].clone(), lo[2 * h].clone())
+        n = h
+    return hi[0].clone(), lo[0].clone()
+
+
+def _margins(a_ET: Tensor, k: int, work: _Work | None = None) -> Tensor:
     """(E, T): how far each expert's price may rise before token t stops picking it (> 0), or
-    must fall before t picks it (< 0), the other prices fixed."""
-    if k == 1:  # fast path: two reductions instead of a sort
-        m1 = a_ET.amax(dim=0)
-        is_max = a_ET >= m1
-        m2 = a_ET.masked_fill(is_max, float("-inf")).amax(dim=0)
-        return torch.where(is_max, m1 - m2, a_ET - m1)
+    must fall before t picks it (< 0), the other prices fixed. With ``work`` (K = 1), computed
+    in place in ``a_ET``."""
+    if k == 1:  # the held expert's margin is m1 - m2, every other one's a - m1
+        m1, m2 = _top2(a_ET, work)
+        if work is None:
+            return (a_ET - m1).add_((a_ET - m2).relu_())
+        up = torch.sub(a_ET, m2, out=work.b).relu_()
+        return a_ET.sub_(m1).add_(up)
     top = a_ET.topk(k + 1, dim=0).values
     return torch.where(a_ET >= top[k - 1], a_ET - top[k], a_ET - top[k - 1])
 
 
+def _row_quantiles(
+    v: Tensor, row_bins: Tensor, need: Tensor, lo: float, hi: float, bins: int, work: _Work | None = None
+) -> Tensor:
+    """For each row r, about where ``need[r]`` of its values lie above: (R,).
+
+    ``v`` holds the values and ``row_bins`` (broadcast against it) ``r * bins`` for the row of each
+    value. One histogram of ``bins`` equal bins over [lo, hi] per row (values outside are clamped
+    to the end bins); within the bin that holds the need-th largest value, the values are taken
+    as evenly spread. A row with fewer values than it needs gets ``lo``. Resolution about
+    ``(hi - lo) / bins``; no host sync. ``work`` (for (E, T) values) supplies the buffers.
+    """
+    num_rows = need.shape[0]
+    scale = bins / (hi - lo)
+    if work is None:
+        pos = v - lo
+        idx = torch.empty(v.shape, dtype=torch.int32, device=v.device)
+    else:
+        pos, idx = torch.sub(v, lo, out=work.b), work.idx
+    pos.mul_(scale).clamp_(0.0, bins - 0.5).add_(row_bins)
+    idx.copy_(pos)
+    hist = torch.bincount(idx.view(-1), minlength=num_rows * bins).view(num_rows, bins)
+    above = hist.sum(1, keepdim=True) - hist.cumsum(1) + hist  # values in this bin or higher
+    need = need.to(v.dtype)[:, None]
+    j = (above >= need).sum(1, keepdim=True) - 1  # the bin holding the need-th largest
+    jc = j.clamp(min=0)
+    n = hist.gather(1, jc)
+    inside = need - (above.gather(1, jc) - n)  # how many of that bin's values lie above
+    q = lo + (jc + 1 - inside.clamp(min=0) / n.clamp(min=1)) / scale
+    return torch.where(j >= 0, q, lo).flatten()
+
+
+_BINS_DENSE = 512  # histogram bins over the full margin range [-1, 1]
+_BINS_SPARSE = 256  # bins over the window [-width, width]
+
+
 def _jacobi_prices(
-    s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, omega: float = 0.7
+    s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, omega: float = 0.7, work: _Work | None = None
 ) -> tuple[Tensor, Tensor]:
     """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
     largest price move of the last update (a scalar tensor).
 
     Each update moves every expert's price to the value at which exactly ``target[e]`` tokens
-    would pick it were the other prices fixed (the midpoint between two order statistics of
-    the margins), damped by ``omega``. Fractional targets interpolate. One host sync (to size
-    the order statistics), none inside the loop.
+    would pick it were the other prices fixed (the midpoint between two order statistics of the
+    margins, from a per-expert histogram), damped by ``omega``. No host sync.
     """
-    num_experts, num_tokens = s_ET.shape
+    num_experts = s_ET.shape[0]
     last = s_ET.new_zeros(())
-    if num_tokens == 0 or iters <= 0:
-        return p, last
-    qsize = min(num_tokens, int(target_E.max()) + 2)
-    pos = (target_E - 0.5).clamp(0, num_tokens - 1)
-    lo_i = pos.floor().long().clamp(max=qsize - 1)
-    hi_i = (lo_i + 1).clamp(max=qsize - 1)
-    w = (pos - lo_i).to(s_ET.dtype)
-    rows = torch.arange(num_experts, device=s_ET.device)
+    row_bins = (torch.arange(num_experts, device=s_ET.device, dtype=s_ET.dtype) * _BINS_DENSE)[:, None]
+    work = _Work(s_ET) if work is None else work
     for _ in range(iters):
-        q = _margins(s_ET - p, k).topk(qsize, dim=1).values
-        step = omega * (q[rows, lo_i] * (1 - w) + q[rows, hi_i] * w).clamp(-1.0, 1.0)
+        d = _margins(work.shifted(s_ET, p), k, work)
+        q = _row_quantiles(d, row_bins, target_E, -1.0, 1.0, _BINS_DENSE, work)
+        step = omega * q
         p = p + step[:, None]
         last = step.abs().max()
     return p, last
 
 
 def _sparse_jacobi_prices(
-    s_ET: Tensor, cap_E: Tensor, p: Tensor, iters: int, width: Tensor, omega: float = 0.7
+    s_ET: Tensor, cap_E: Tensor, p: Tensor, iters: int, width: float, omega: float = 0.7
 ) -> Tensor:
     """The damped Jacobi updates of `_jacobi_prices` for K = 1, on the (token, expert) pairs
     within ``width`` of the token's best under ``p`` only.
@@ -171,31 +262,23 @@ def _sparse_jacobi_prices(
     Once the prices are roughly right, a token can only switch between experts close to its
     best, so the pairs further away are left out (about 1.5 to 3 pairs per token remain on
     typical scores). Pairs kept: those with ``s - p > best - width``. A token with one pair
-    counts its runner-up as ``width`` below. One host sync (to list the pairs).
+    counts its runner-up as ``width`` below; a move is at most ``width``. One host sync (to
+    list the pairs).
     """
-    num_experts, num_tokens = s_ET.shape
+    num_tokens = s_ET.shape[1]
     a = s_ET - p
     e_M, t_M = torch.nonzero(a > a.amax(dim=0) - width, as_tuple=True)  # grouped by expert
     s_M = s_ET[e_M, t_M]
-    count_E = torch.bincount(e_M, minlength=num_experts)
-    start_E = torch.cumsum(count_E, 0) - count_E
-    last = e_M.numel() - 1
+    row_bins = (e_M * _BINS_SPARSE).to(s_ET.dtype)
     empty = s_ET.new_full((num_tokens,), float("-inf"))
     for _ in range(iters):
         a_M = s_M - p[e_M, 0]
         m1 = empty.scatter_reduce(0, t_M, a_M, reduce="amax")
-        top = a_M >= m1[t_M]
-        m2 = torch.maximum(empty.scatter_reduce(0, t_M, a_M.masked_fill(top, float("-inf")), reduce="amax"), m1 - width)
-        d_M = torch.where(top, m1[t_M] - m2[t_M], a_M - m1[t_M])
-        # each expert's margins in decreasing order: one sort on (expert, -margin)
-        d_sorted = d_M[torch.sort(e_M.double() * 4 - d_M.double()).indices]
-        hi = d_sorted[(start_E + cap_E - 1).clamp(0, last)]
-        lo = d_sorted[(start_E + cap_E).clamp(0, last)]
-        bottom = d_sorted[(start_E + count_E - 1).clamp(0, last)] - width  # too few pairs: go lower
-        hi = torch.where(cap_E <= count_E, hi, bottom)
-        lo = torch.where(cap_E < count_E, lo, bottom)
-        step = torch.where(count_E > 0, (hi + lo) / 2, -width)
-        p = p + omega * step.clamp(-1.0, 1.0)[:, None]
+        m1_M = m1[t_M]
+        second = empty.scatter_reduce(0, t_M, torch.where(a_M >= m1_M, float("-inf"), a_M), reduce="amax")
+        m2_M = torch.maximum(second, m1 - width)[t_M]
+        d_M = (a_M - m1_M).add_((a_M - m2_M).relu_())
+        p = p + omega * _row_quantiles(d_M, row_bins, cap_E, -width, width, _BINS_SPARSE)[:, None]
     return p
 
 
@@ -213,7 +296,7 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int) -> Tensor:
     if k > 1 or max_iters <= 2:
         return _jacobi_prices(s_ET, target, k, max_iters, p)[0]
     p, last = _jacobi_prices(s_ET, target, k, 2, p)
-    width = last.clamp(0.02, 0.05)  # wide enough for the moves still to come
+    width = float(last.clamp(0.02, 0.05))  # wide enough for the moves still to come
     return _sparse_jacobi_prices(s_ET, cap_E, p, max_iters - 2, width)
 
 

@@ -9,10 +9,15 @@ and joins two it did not hold), so applying a cycle of positive total gain keeps
 feasible and improves it. A complete assignment with no positive cycle is optimal: that is the
 optimality condition of the transportation problem (no negative cycle in the residual graph),
 docs/routing.md.
+
+The search is sequential and touches only the candidates' (E, C) scores and the (E, E) graph,
+so it runs on the host in numpy: one copy of the candidates' scores and slots there, one copy of
+the slots back. The certificate (every token against the final prices) runs where the scores are.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,101 +41,143 @@ def violations(s_ET: Tensor, prices_E: Tensor, out_TK: Tensor, band: float) -> T
     """
     num_experts = s_ET.shape[0]
     a = s_ET - prices_E.view(-1, 1)
+    if out_TK.shape[1] == 1 and band >= 0:  # one held expert: the best expert overall decides
+        return torch.nonzero(a.amax(dim=0) - a.gather(0, out_TK.T)[0] > band).flatten()
     held = held_mask(out_TK, num_experts)
-    worst_held = a.masked_fill(~held, float("inf")).amin(dim=0)
-    best_free = a.masked_fill(held, float("-inf")).amax(dim=0)
+    worst_held = torch.where(held, a, float("inf")).amin(dim=0)
+    best_free = torch.where(held, float("-inf"), a).amax(dim=0)
     return torch.nonzero(best_free - worst_held > band).flatten()
 
 
 class _Graph:
-    """The (E, E) best-move gains over the candidate tokens, kept up to date as tokens move.
+    """The (E, E) best-move gains over the C candidate tokens, kept up to date as tokens move.
 
-    Holds, for the C candidates and each of their K slots, the slot's expert (K, C) and the gain
-    of moving that slot to every expert (K, C, E). A move changes only the moved tokens' entries
+    Holds the candidates' scores (E, C) and slots (C, K), and for each slot its expert (K, C) and
+    the gain of moving it to every expert (K, C, E). A move changes only the moved tokens' entries
     and the rows of the experts those tokens touch, so after a cycle only those are recomputed.
     """
 
-    def __init__(self, s_ET: Tensor, out_TK: Tensor, tok: Tensor) -> None:
-        self.s, self.out, self.tok = s_ET, out_TK, tok
-        num_experts = s_ET.shape[0]
-        self.expert_KC, self.gain_KCE = self._slot_gains(tok)
-        self.gain = s_ET.new_full((num_experts, num_experts), float("-inf"))
-        self._rows(torch.arange(num_experts, device=s_ET.device))
+    def __init__(self, s_EC: np.ndarray, out_CK: np.ndarray) -> None:
+        self.s, self.out = s_EC, out_CK
+        num_experts = s_EC.shape[0]
+        self.expert_KC, self.gain_KCE = self._slot_gains(np.arange(out_CK.shape[0]))
+        self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)
+        self._rows(np.arange(num_experts))
 
-    def _slot_gains(self, tok: Tensor) -> tuple[Tensor, Tensor]:
-        s = self.s[:, tok]
-        expert = self.out[tok].T  # (K, C)
-        cur = s.gather(0, expert)  # (K, C) score of each slot's current expert
-        held = held_mask(self.out[tok], s.shape[0])
-        gain = (s[None] - cur[:, None]).masked_fill(held[None], float("-inf")).transpose(1, 2)
-        return expert, gain.contiguous()  # (K, C), (K, C, E)
+    def _slot_gains(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s = self.s[:, pos]  # (E, P)
+        expert = self.out[pos].T  # (K, P)
+        cur = np.take_along_axis(s, expert, axis=0)  # (K, P) score of each slot's current expert
+        gain = s.T[None] - cur[:, :, None]  # (K, P, E)
+        held = np.zeros((pos.size, s.shape[0]), dtype=bool)
+        held[np.arange(pos.size)[None], expert] = True
+        gain[:, held] = -np.inf
+        return expert.copy(), gain
 
-    def _rows(self, rows: Tensor) -> None:
+    def _rows(self, rows: np.ndarray) -> None:
         """Recompute gain[rows] from the slot gains."""
-        self.gain[rows] = float("-inf")
-        pick = torch.isin(self.expert_KC, rows).flatten()
-        expert = self.expert_KC.flatten()[pick]
-        g = self.gain_KCE.flatten(0, 1)[pick]
-        self.gain.scatter_reduce_(0, expert[:, None].expand_as(g), g, reduce="amax")
+        self.gain[rows] = -np.inf
+        mark = np.zeros(self.gain.shape[0], dtype=bool)
+        mark[rows] = True
+        expert = self.expert_KC.ravel()
+        pick = np.flatnonzero(mark[expert])
+        if pick.size == 0:
+            return
+        pick = pick[np.argsort(expert[pick], kind="stable")]
+        e = expert[pick]
+        starts = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
+        g = self.gain_KCE.reshape(-1, self.gain.shape[0])[pick]
+        self.gain[e[starts]] = np.maximum.reduceat(g, starts, axis=0)
 
-    def moved(self, pos: Tensor) -> None:
+    def moved(self, pos: np.ndarray) -> None:
         """Candidates at positions ``pos`` changed their experts: refresh what depends on them."""
-        before = self.expert_KC[:, pos]
-        self.expert_KC[:, pos], self.gain_KCE[:, pos] = self._slot_gains(self.tok[pos])
-        self._rows(torch.unique(torch.cat([before.flatten(), self.expert_KC[:, pos].flatten()])))
+        before = self.expert_KC[:, pos].ravel()
+        self.expert_KC[:, pos], self.gain_KCE[:, pos] = self._slot_gains(pos)
+        self._rows(np.unique(np.concatenate([before, self.expert_KC[:, pos].ravel()])))
 
     def mover(self, a: int, b: int) -> tuple[int, int]:
         """(candidate position, slot) of the lowest-index token with the best a -> b move."""
-        g = torch.where(self.expert_KC == a, self.gain_KCE[:, :, b], float("-inf"))  # (K, C)
-        hit = (g == self.gain[a, b]).any(dim=0)
-        c = int(hit.int().argmax())  # first candidate (lowest token index) with a best move
-        return c, int((g[:, c] == self.gain[a, b]).int().argmax())
+        hit = (self.expert_KC == a) & (self.gain_KCE[:, :, b] == self.gain[a, b])  # (K, C)
+        c = int(hit.any(axis=0).argmax())  # first candidate (lowest token index) with a best move
+        return c, int(hit[:, c].argmax())
+
+    def cancel(self, delta: float, max_cycles: int) -> tuple[bool, int, np.ndarray]:
+        """Apply positive cycles until none is left (True) or ``max_cycles`` ran out with one
+        still found (False). Returns that flag, the cycles applied and the final distances."""
+        applied = 0
+        dist = np.zeros(self.gain.shape[0], dtype=self.gain.dtype)
+        while True:
+            cycles, dist = _find_cycles(self.gain, delta, dist)
+            if not cycles:
+                return True, applied, dist
+            if applied >= max_cycles:
+                return False, applied, dist
+            moves = []
+            for cycle in cycles[: max_cycles - applied]:  # disjoint: all moves were valid together
+                moves += [(self.mover(a, b), b) for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)]
+                applied += 1
+            for (c, j), b in moves:
+                self.out[c, j] = b
+            self.moved(np.array(sorted({c for (c, _), _ in moves}), dtype=np.int64))
 
 
-def _find_cycles(gain: Tensor, delta: float) -> tuple[list[list[int]], Tensor]:
+def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
     """Node-disjoint cycles whose moves gain more than ``delta`` each on average, and the
     longest-path distances (E,) when there is none.
 
-    Bellman-Ford for longest paths from a virtual source joined to every node, stopping early when
-    nothing changes; every cycle of the parent pointers is a positive cycle, and cycles of a
-    functional graph never share a node. Converged distances are prices under which every move
-    gains at most ``delta``. One host sync per round, at most E + 1 rounds.
+    Bellman-Ford for longest paths, from the distances ``start`` (any start is sound: a cycle of
+    the parent pointers set here is always a positive cycle, and distances that no edge can
+    raise prove that no positive cycle is left; starting from the last call's distances saves
+    most rounds after a few tokens moved). Cycles of a functional graph never share a node.
+    Converged distances are prices under which every move gains at most ``delta``. At most
+    E + 1 rounds.
     """
     n = gain.shape[0]
     w = gain - delta
-    dist = gain.new_zeros(n)
-    parent = torch.full((n,), -1, dtype=torch.int64, device=gain.device)
+    dist = start.copy()
+    parent = np.full(n + 1, n, dtype=np.int64)  # n: no parent (a sink that points to itself)
+    cols = np.arange(n)
     for rnd in range(n + 1):
-        cand, arg = (dist[:, None] + w).max(dim=0)
+        through = dist[:, None] + w
+        arg = through.argmax(axis=0)  # first maximal index on ties
+        cand = through[arg, cols]
         changed = cand > dist
-        if not bool(changed.any()):
+        if not changed.any():
             return [], dist
-        dist = torch.where(changed, cand, dist)
-        parent = torch.where(changed, arg, parent)
+        dist = np.where(changed, cand, dist)
+        parent[:n] = np.where(changed, arg, parent[:n])
         if rnd % 4 == 3 or rnd == n:
-            cycles = _parent_cycles(parent.tolist())
-            if cycles:
-                return cycles, dist
+            reach = parent
+            for _ in range(max(1, (n + 1).bit_length())):  # n + 1 steps along the pointers, by doubling
+                reach = reach[reach]
+            if (reach[:n] < n).any():  # a walk that never ends at the sink has entered a cycle
+                return _parent_cycles(parent[:n].tolist(), n), dist
     raise AssertionError("Bellman-Ford changed for E + 1 rounds without a parent cycle")  # impossible
 
 
-def _parent_cycles(par: list[int]) -> list[list[int]]:
-    """All cycles of the functional graph v -> par[v], each in move order a -> b."""
+def _parent_cycles(par: list[int], none: int) -> list[list[int]]:
+    """All cycles of the functional graph v -> par[v] (``none``: no parent), each in move order
+    a -> b."""
     state = [0] * len(par)  # 0 new, 1 on the current walk, 2 done
     cycles = []
     for start in range(len(par)):
         path, v = [], start
-        while v >= 0 and state[v] == 0:
+        while v != none and state[v] == 0:
             state[v] = 1
             path.append(v)
             v = par[v]
-        if v >= 0 and state[v] == 1:
+        if v != none and state[v] == 1:
             cycle = path[path.index(v) :]
             cycle.reverse()  # parent points backwards along the moves
             cycles.append(cycle)
         for u in path:
             state[u] = 2
     return cycles
+
+
+def _host(x: Tensor) -> np.ndarray:
+    """A host numpy copy (bf16 and fp16 scores are normalised to fp32 before they get here)."""
+    return x.detach().cpu().numpy().copy()
 
 
 def cancel_cycles(
@@ -152,29 +199,25 @@ def cancel_cycles(
     the band of a boundary under those prices (the failing ones included) and the search goes on.
     Returns True when every token passes (the assignment is then optimal up to ``delta`` per
     move), False if ``max_cycles`` cycles were applied first. Scores must lie within [-1, 1].
+    ``cap_E`` is implied by ``out`` (cycles keep every load) and is not read.
     """
+    del cap_E
     if bool((out_TK < 0).any()):
         raise ValueError("cancel_cycles needs a complete assignment (found slots of -1)")
     tok = torch.arange(s_ET.shape[1], device=s_ET.device) if candidates is None else candidates
     band = max(band, 1e-3)
-    graph = _Graph(s_ET, out_TK, tok)
     applied = 0
     while True:
-        cycles, dist = _find_cycles(graph.gain, delta)
-        if not cycles:
-            bad = violations(s_ET, dist, out_TK, delta)
-            if torch.isin(bad, tok).all():  # every token passes (candidates pass by construction)
-                return True
-            band *= 2  # grow geometrically: a few rebuilds at most
-            tok = torch.unique(torch.cat([tok, bad, violations(s_ET, dist, out_TK, -band)]))
-            graph = _Graph(s_ET, out_TK, tok)
-            continue
-        if applied >= max_cycles:
+        graph = _Graph(_host(s_ET[:, tok]), _host(out_TK[tok]))
+        done, n, dist = graph.cancel(delta, max_cycles - applied)
+        applied += n
+        if n:
+            out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
+        if not done:
             return False
-        moves = []
-        for cycle in cycles[: max_cycles - applied]:  # disjoint: all moves were valid together
-            moves += [(graph.mover(a, b), b) for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)]
-            applied += 1
-        for (c, j), b in moves:
-            out_TK[tok[c], j] = b
-        graph.moved(torch.tensor(sorted({c for (c, _), _ in moves}), device=s_ET.device))
+        prices = torch.from_numpy(dist).to(device=s_ET.device, dtype=s_ET.dtype)
+        bad = violations(s_ET, prices, out_TK, delta)
+        if torch.isin(bad, tok).all():  # every token passes (candidates pass by construction)
+            return True
+        band *= 2  # grow geometrically: a few rebuilds at most
+        tok = torch.unique(torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)]))
