@@ -253,38 +253,70 @@ def _jacobi_prices(
     return p, last
 
 
-def _sparse_jacobi_prices(
-    s_ET: Tensor, cap_E: Tensor, p: Tensor, iters: int, width: float, omega: float = 0.7
-) -> Tensor:
-    """The damped Jacobi updates of `_jacobi_prices` for K = 1, on the (token, expert) pairs
-    within ``width`` of the token's best under ``p`` only.
+class _Pairs:
+    """For K = 1: the (token, expert) pairs within ``width`` of each token's best under prices
+    ``p0``, M of them, grouped by expert.
 
     Once the prices are roughly right, a token can only switch between experts close to its
     best, so the pairs further away are left out (about 1.5 to 3 pairs per token remain on
-    typical scores). Pairs kept: those with ``s - p > best - width``. A token with one pair
-    counts its runner-up as ``width`` below; a move is at most ``width``. One host sync (to
-    list the pairs).
+    typical scores). While no price has moved ``width`` more than another since ``p0``, no pair
+    left out can beat a token's best pair, so the pairs alone give every token's pick. A token
+    with one pair counts its runner-up as ``width`` below. One host sync (to list the pairs).
     """
-    num_tokens = s_ET.shape[1]
-    a = s_ET - p
-    e_M, t_M = torch.nonzero(a > a.amax(dim=0) - width, as_tuple=True)  # grouped by expert
-    s_M = s_ET[e_M, t_M]
-    row_bins = (e_M * _BINS_SPARSE).to(s_ET.dtype)
-    empty = s_ET.new_full((num_tokens,), float("-inf"))
-    for _ in range(iters):
-        a_M = s_M - p[e_M, 0]
-        m1 = empty.scatter_reduce(0, t_M, a_M, reduce="amax")
-        m1_M = m1[t_M]
-        second = empty.scatter_reduce(0, t_M, torch.where(a_M >= m1_M, float("-inf"), a_M), reduce="amax")
-        m2_M = torch.maximum(second, m1 - width)[t_M]
-        d_M = (a_M - m1_M).add_((a_M - m2_M).relu_())
-        p = p + omega * _row_quantiles(d_M, row_bins, cap_E, -width, width, _BINS_SPARSE)[:, None]
-    return p
+
+    def __init__(self, s_ET: Tensor, p0: Tensor, width: float, work: _Work) -> None:
+        a = work.shifted(s_ET, p0)
+        self.e_M, self.t_M = torch.nonzero(a > a.amax(dim=0) - width, as_tuple=True)
+        self.s_M = s_ET[self.e_M, self.t_M]
+        self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
+        self.row_bins = (self.e_M * _BINS_SPARSE).to(s_ET.dtype)
+        self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
+
+    def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Pair scores under p (M,), each token's best (T,) and runner-up, floored at best - width."""
+        a_M = self.s_M - p[self.e_M, 0]
+        m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
+        rest = torch.where(a_M >= m1[self.t_M], float("-inf"), a_M)
+        m2 = torch.maximum(self.empty.scatter_reduce(0, self.t_M, rest, reduce="amax"), m1 - self.width)
+        return a_M, m1, m2
+
+    def jacobi(self, p: Tensor, cap_E: Tensor, iters: int, omega: float = 0.7) -> Tensor:
+        """The damped Jacobi updates of `_jacobi_prices` on the pairs; a move is at most width."""
+        for _ in range(iters):
+            a_M, m1, m2 = self._top2(p)
+            d_M = (a_M - m1[self.t_M]).add_((a_M - m2[self.t_M]).relu_())
+            q = _row_quantiles(d_M, self.row_bins, cap_E, -self.width, self.width, _BINS_SPARSE)
+            p = p + omega * q[:, None]
+        return p
+
+    def select(self, p: Tensor, cap_E: Tensor) -> tuple[Tensor, Tensor] | None:
+        """`_select` for K = 1 from the pairs, or None when the prices moved too far for them."""
+        moved = p - self.p0
+        if float(moved.max() - moved.min()) >= self.width:
+            return None
+        a_M, m1, m2 = self._top2(p)
+        at_best = torch.where(a_M >= m1[self.t_M], self.e_M, self.num_experts)
+        idx = self.t_M.new_full(m1.shape, self.num_experts)
+        idx = idx.scatter_reduce(0, self.t_M, at_best, reduce="amin")  # lowest expert on ties
+        return _keep_best(idx, m1 - m2, cap_E)[:, None], m1 - m2
 
 
-def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int) -> Tensor:
+def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
+    """K = 1: each expert over capacity keeps its tokens with the largest margins (ties: lowest
+    token index) and the others get -1. Only the tokens of such experts are ranked."""
+    num_experts = cap_E.shape[0]
+    over = torch.bincount(idx_T, minlength=num_experts) > cap_E
+    sub = torch.nonzero(over[idx_T]).flatten()
+    if sub.numel() == 0:
+        return idx_T
+    keep = drop_by_score(idx_T[sub, None], margin_T[sub, None], num_experts, cap_E)[:, 0]
+    return idx_T.index_fill(0, sub[~keep], -1)
+
+
+def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) -> tuple[Tensor, _Pairs | None]:
     """Prices (E, 1) after ``max_iters`` damped Jacobi updates from zero: the first two over
-    every (token, expert) pair, the rest (for K = 1) over the pairs near each token's best.
+    every (token, expert) pair, the rest (for K = 1) over the pairs near each token's best,
+    which are returned too (None when not used).
 
     Rejected after measurement: coarse starts from strided token samples (their sampling noise
     leaves the prices further from the optimum than the all-zero start) and freezing tokens far
@@ -294,13 +326,13 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int) -> Tensor:
     p = s_ET.new_zeros(s_ET.shape[0], 1)
     target = cap_E.to(s_ET.dtype)
     if k > 1 or max_iters <= 2:
-        return _jacobi_prices(s_ET, target, k, max_iters, p)[0]
-    p, last = _jacobi_prices(s_ET, target, k, 2, p)
-    width = float(last.clamp(0.02, 0.05))  # wide enough for the moves still to come
-    return _sparse_jacobi_prices(s_ET, cap_E, p, max_iters - 2, width)
+        return _jacobi_prices(s_ET, target, k, max_iters, p, work=work)[0], None
+    p, last = _jacobi_prices(s_ET, target, k, 2, p, work=work)
+    pairs = _Pairs(s_ET, p, float(last.clamp(0.02, 0.05)), work)  # wide enough for the moves still to come
+    return pairs.jacobi(p, cap_E, max_iters - 2), pairs
 
 
-def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor) -> tuple[Tensor, Tensor]:
+def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work | None = None) -> tuple[Tensor, Tensor]:
     """Each token takes its K best experts under prices; a full expert keeps the tokens with the
     largest margins over their next choice (ties: lowest token index) and drops the rest.
 
@@ -308,10 +340,10 @@ def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor) -> tuple[Tensor, Ten
     remained, and each token's margin (T,): how much better its K-th pick is than the next.
     """
     num_experts, num_tokens = s_ET.shape
-    a = s_ET - p
+    a = s_ET - p if work is None else work.shifted(s_ET, p)
     if k == 1:  # fast path: no copy of the scores
         best, idx = a.max(dim=0)  # first maximal index on ties
-        vals = torch.stack([best, a.masked_fill(a >= best, float("-inf")).amax(dim=0)])
+        vals = torch.stack([best, _top2(a, work)[1]])
         idx = idx[None]
     else:
         vals, idx = _top_values(a, k)
@@ -428,13 +460,15 @@ def balanced_assignment(
     with torch.no_grad():
         s = _normalise(scores_TE, jitter=eps / 2)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
-        p = _prices(s, cap, k, max_iters)
-        out, margin = _select(s, p, k, cap)
+        work = _Work(s)
+        p, pairs = _prices(s, cap, k, max_iters, work)
+        picked = None if pairs is None else pairs.select(p, cap)
+        out, margin = _select(s, p, k, cap, work) if picked is None else picked
         for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
             if int((out < 0).sum()) <= num_tokens * k // 100:
                 break
-            p = _jacobi_prices(s, cap.to(s.dtype), k, max(max_iters, 2), p)[0]
-            out, margin = _select(s, p, k, cap)
+            p = _jacobi_prices(s, cap.to(s.dtype), k, max(max_iters, 2), p, work=work)[0]
+            out, margin = _select(s, p, k, cap, work)
         # candidates for exchange cycles: tokens near a boundary under p, and those refilled
         near = (margin < 0.005) | (out < 0).any(dim=1)
         _fill(s, out, cap, p)

@@ -85,7 +85,7 @@ class _Graph:
             return
         pick = pick[np.argsort(expert[pick], kind="stable")]
         e = expert[pick]
-        starts = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
+        starts = np.flatnonzero(np.concatenate([[True], e[1:] != e[:-1]]))
         g = self.gain_KCE.reshape(-1, self.gain.shape[0])[pick]
         self.gain[e[starts]] = np.maximum.reduceat(g, starts, axis=0)
 
@@ -137,7 +137,8 @@ def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[lis
     dist = start.copy()
     parent = np.full(n + 1, n, dtype=np.int64)  # n: no parent (a sink that points to itself)
     cols = np.arange(n)
-    for rnd in range(n + 1):
+    steps = max(1, (n + 1).bit_length())
+    for _ in range(n + 1):
         through = dist[:, None] + w
         arg = through.argmax(axis=0)  # first maximal index on ties
         cand = through[arg, cols]
@@ -146,12 +147,11 @@ def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[lis
             return [], dist
         dist = np.where(changed, cand, dist)
         parent[:n] = np.where(changed, arg, parent[:n])
-        if rnd % 4 == 3 or rnd == n:
-            reach = parent
-            for _ in range(max(1, (n + 1).bit_length())):  # n + 1 steps along the pointers, by doubling
-                reach = reach[reach]
-            if (reach[:n] < n).any():  # a walk that never ends at the sink has entered a cycle
-                return _parent_cycles(parent[:n].tolist(), n), dist
+        reach = parent
+        for _ in range(steps):  # n + 1 steps along the pointers, by doubling
+            reach = reach[reach]
+        if (reach[:n] < n).any():  # a walk that never ends at the sink has entered a cycle
+            return _parent_cycles(parent[:n].tolist(), n), dist
     raise AssertionError("Bellman-Ford changed for E + 1 rounds without a parent cycle")  # impossible
 
 
