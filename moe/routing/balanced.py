@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -198,32 +199,30 @@ def _margins(a_ET: Tensor, k: int, work: _Work | None = None) -> Tensor:
 def _row_quantiles(
     v: Tensor, row_bins: Tensor, need: Tensor, lo: float, hi: float, bins: int, work: _Work | None = None
 ) -> Tensor:
-    """For each row r, about where ``need[r]`` of its values lie above: (R,).
+    """For each row r, about where ``need[r]`` (float) of its values lie above: (R,).
 
     ``v`` holds the values and ``row_bins`` (broadcast against it) ``r * bins`` for the row of each
-    value. One histogram of ``bins`` equal bins over [lo, hi] per row (values outside are clamped
-    to the end bins); within the bin that holds the need-th largest value, the values are taken
-    as evenly spread. A row with fewer values than it needs gets ``lo``. Resolution about
-    ``(hi - lo) / bins``; no host sync. ``work`` (for (E, T) values) supplies the buffers.
+    value. One histogram of ``bins`` equal bins over [lo, hi] per row, counted from the top
+    (values outside are clamped to the end bins); within the bin that holds the need-th largest
+    value, the values are taken as evenly spread. A row with fewer values than it needs gets
+    ``lo``. Resolution about ``(hi - lo) / bins``; no host sync. ``work`` (for (E, T) values)
+    supplies the buffers.
     """
     num_rows = need.shape[0]
     scale = bins / (hi - lo)
     if work is None:
-        pos = v - lo
-        idx = torch.empty(v.shape, dtype=torch.int32, device=v.device)
+        pos, idx = torch.mul(v, -scale), torch.empty(v.shape, dtype=torch.int32, device=v.device)
     else:
-        pos, idx = torch.sub(v, lo, out=work.b), work.idx
-    pos.mul_(scale).clamp_(0.0, bins - 0.5).add_(row_bins)
+        pos, idx = torch.mul(v, -scale, out=work.b), work.idx
+    pos.add_(hi * scale).clamp_(0.0, bins - 0.5).add_(row_bins)  # bin 0 holds the largest values
     idx.copy_(pos)
     hist = torch.bincount(idx.view(-1), minlength=num_rows * bins).view(num_rows, bins)
-    above = hist.sum(1, keepdim=True) - hist.cumsum(1) + hist  # values in this bin or higher
-    need = need.to(v.dtype)[:, None]
-    j = (above >= need).sum(1, keepdim=True) - 1  # the bin holding the need-th largest
-    jc = j.clamp(min=0)
-    n = hist.gather(1, jc)
-    inside = need - (above.gather(1, jc) - n)  # how many of that bin's values lie above
-    q = lo + (jc + 1 - inside.clamp(min=0) / n.clamp(min=1)) / scale
-    return torch.where(j >= 0, q, lo).flatten()
+    cum = hist.cumsum(1)  # values in this bin or a higher one
+    need = need[:, None]
+    j = (cum < need).sum(1, keepdim=True).clamp_(max=bins - 1)  # the bin holding the need-th largest
+    n = hist.gather(1, j)
+    frac = (need - cum.gather(1, j) + n).div_(n.clamp(min=1)).clamp_(0.0, 1.0)  # how far into that bin
+    return (j + frac).mul_(-1.0 / scale).add_(hi).flatten()  # lo when the row has too few values
 
 
 _BINS_DENSE = 512  # histogram bins over the full margin range [-1, 1]
@@ -272,20 +271,22 @@ class _Pairs:
         self.row_bins = (self.e_M * _BINS_SPARSE).to(s_ET.dtype)
         self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
 
-    def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Pair scores under p (M,), each token's best (T,) and runner-up, floored at best - width."""
-        a_M = self.s_M - p[self.e_M, 0]
+    def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Pair scores under p (M,), each token's best (T,) and the same per pair (M,), and each
+        token's runner-up (T,), floored at best - width."""
+        a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
         m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
-        rest = torch.where(a_M >= m1[self.t_M], float("-inf"), a_M)
+        m1_M = m1.index_select(0, self.t_M)
+        rest = torch.where(a_M >= m1_M, float("-inf"), a_M)
         m2 = torch.maximum(self.empty.scatter_reduce(0, self.t_M, rest, reduce="amax"), m1 - self.width)
-        return a_M, m1, m2
+        return a_M, m1, m1_M, m2
 
-    def jacobi(self, p: Tensor, cap_E: Tensor, iters: int, omega: float = 0.7) -> Tensor:
+    def jacobi(self, p: Tensor, target_E: Tensor, iters: int, omega: float = 0.7) -> Tensor:
         """The damped Jacobi updates of `_jacobi_prices` on the pairs; a move is at most width."""
         for _ in range(iters):
-            a_M, m1, m2 = self._top2(p)
-            d_M = (a_M - m1[self.t_M]).add_((a_M - m2[self.t_M]).relu_())
-            q = _row_quantiles(d_M, self.row_bins, cap_E, -self.width, self.width, _BINS_SPARSE)
+            a_M, _, m1_M, m2 = self._top2(p)
+            d_M = (a_M - m1_M).add_((a_M - m2.index_select(0, self.t_M)).relu_())
+            q = _row_quantiles(d_M, self.row_bins, target_E, -self.width, self.width, _BINS_SPARSE)
             p = p + omega * q[:, None]
         return p
 
@@ -294,8 +295,8 @@ class _Pairs:
         moved = p - self.p0
         if float(moved.max() - moved.min()) >= self.width:
             return None
-        a_M, m1, m2 = self._top2(p)
-        at_best = torch.where(a_M >= m1[self.t_M], self.e_M, self.num_experts)
+        a_M, m1, m1_M, m2 = self._top2(p)
+        at_best = torch.where(a_M >= m1_M, self.e_M, self.num_experts)
         idx = self.t_M.new_full(m1.shape, self.num_experts)
         idx = idx.scatter_reduce(0, self.t_M, at_best, reduce="amin")  # lowest expert on ties
         return _keep_best(idx, m1 - m2, cap_E)[:, None], m1 - m2
@@ -314,10 +315,12 @@ def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
 
 
 def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) -> tuple[Tensor, _Pairs | None]:
-    """Prices (E, 1) after ``max_iters`` damped Jacobi updates from zero: the first two over
-    every (token, expert) pair, the rest (for K = 1) over the pairs near each token's best,
-    which are returned too (None when not used).
+    """Prices (E, 1) after ``max_iters`` damped Jacobi updates from zero, and for K = 1 the
+    pairs near each token's best (None when not used).
 
+    K = 1: one update over every (token, expert) pair, a second one if the first moved some
+    price by more than 0.05 (skewed scores), and the rest over the pairs within the last move
+    (clamped to [0.02, 0.05]) of each token's best. One host sync per full update.
     Rejected after measurement: coarse starts from strided token samples (their sampling noise
     leaves the prices further from the optimum than the all-zero start) and freezing tokens far
     from any boundary (on skewed scores the prices still move far and the frozen tokens then
@@ -327,9 +330,13 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) ->
     target = cap_E.to(s_ET.dtype)
     if k > 1 or max_iters <= 2:
         return _jacobi_prices(s_ET, target, k, max_iters, p, work=work)[0], None
-    p, last = _jacobi_prices(s_ET, target, k, 2, p, work=work)
+    p, last = _jacobi_prices(s_ET, target, k, 1, p, work=work)
+    dense = 1
+    if float(last) > 0.05:
+        p, last = _jacobi_prices(s_ET, target, k, 1, p, work=work)
+        dense = 2
     pairs = _Pairs(s_ET, p, float(last.clamp(0.02, 0.05)), work)  # wide enough for the moves still to come
-    return pairs.jacobi(p, cap_E, max_iters - 2), pairs
+    return pairs.jacobi(p, target, max_iters - dense), pairs
 
 
 def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work | None = None) -> tuple[Tensor, Tensor]:
@@ -383,28 +390,59 @@ def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> None:
     out[u, j] = d
 
 
+def _fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E: np.ndarray) -> None:
+    """The greedy passes of `_fill` on the host, over the N short tokens only, in place: each
+    pass gives every short token its best expert with room that it does not hold (prices
+    ``p``); an expert keeps its ``deficit`` claimants with the largest margins over their next
+    choice (ties: lowest token index). Stops when all are placed or a pass places nothing."""
+    num_experts, n = s_EN.shape
+    rows = np.arange(n)
+    a = s_EN.T - p_E[None]  # (N, E)
+    while True:
+        short = np.flatnonzero((out_NK < 0).any(axis=1))
+        if short.size == 0:
+            return
+        held = np.zeros((short.size, num_experts + 1), dtype=bool)
+        held[np.arange(short.size)[:, None], out_NK[short]] = True  # -1 marks the extra column
+        allowed = ~held[:, :num_experts] & (deficit_E > 0)[None]
+        sub = np.where(allowed, a[short], -np.inf)
+        best = sub.argmax(axis=1)  # first maximal index on ties
+        top = sub[rows[: short.size], best]
+        sub[rows[: short.size], best] = -np.inf
+        ok = np.flatnonzero(np.isfinite(top))
+        if ok.size == 0:
+            return
+        margin = top[ok] - sub[ok].max(axis=1)  # inf when only one expert is allowed
+        order = ok[np.lexsort((ok, -margin, best[ok]))]  # by expert, margin down, token up
+        e = best[order]
+        first = np.flatnonzero(np.concatenate([[True], e[1:] != e[:-1]]))
+        rank = np.arange(order.size) - np.repeat(first, np.diff(np.append(first, order.size)))
+        win = order[rank < deficit_E[e]]
+        tok = short[win]
+        out_NK[tok, (out_NK[tok] < 0).argmax(axis=1)] = best[win]
+        np.subtract.at(deficit_E, best[win], 1)
+
+
 def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> None:
     """Complete a partial assignment in place, greedily: each pass gives every short token its
     best expert with room under prices ``p`` (experts keep the claimants with the largest
-    margins); a pass that places nothing (every expert with room already holds the short
-    tokens) falls back to one exchange. At most T * K passes.
+    margins); when a pass places nothing (every expert with room already holds the short
+    tokens) one exchange (`_swap_in`) makes room. The passes run on the host, over the short
+    tokens; at most T * K of them.
     """
     num_experts = s_ET.shape[0]
+    prices = np.zeros(num_experts) if p is None else p.detach().double().cpu().numpy().ravel()
     while True:
-        missing = out < 0
-        short = torch.nonzero(missing.any(dim=1)).flatten()
+        short = torch.nonzero((out < 0).any(dim=1)).flatten()
         if short.numel() == 0:
             return
         deficit = cap_E - torch.bincount(out[out >= 0], minlength=num_experts)
-        forbid = held_mask(out[short], num_experts) | (deficit <= 0)[:, None]
-        sub = s_ET[:, short].masked_fill(forbid, _NEG)
-        pick = _select(sub, sub.new_zeros(num_experts, 1) if p is None else p, 1, deficit)[0][:, 0]
-        placed = pick >= 0
-        if not bool(placed.any()):
-            _swap_in(s_ET, out, int(short[0]), deficit)
-            continue
-        first_missing = missing[short].int().argmax(dim=1)
-        out[short[placed], first_missing[placed]] = pick[placed]
+        sub_out = out[short].cpu().numpy()
+        _fill_passes(s_ET[:, short].double().cpu().numpy(), sub_out, deficit.cpu().numpy(), prices)
+        out[short] = torch.from_numpy(sub_out).to(out.device)
+        stuck = torch.nonzero((out < 0).any(dim=1)).flatten()
+        if stuck.numel():
+            _swap_in(s_ET, out, int(stuck[0]), cap_E - torch.bincount(out[out >= 0], minlength=num_experts))
 
 
 def _round_robin(num_tokens: int, num_experts: int, k: int, device) -> Tensor:
