@@ -139,7 +139,7 @@ def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[lis
     parent = np.full(n + 1, n, dtype=np.int64)  # n: no parent (a sink that points to itself)
     cols = np.arange(n)
     steps = max(1, (n + 1).bit_length())
-    for _ in range(n + 1):
+    for rnd in range(n + 1):
         through = dist[:, None] + w
         arg = through.argmax(axis=0)  # first maximal index on ties
         cand = through[arg, cols]
@@ -148,6 +148,8 @@ def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[lis
             return [], dist
         dist = np.where(changed, cand, dist)
         parent[:n] = np.where(changed, arg, parent[:n])
+        if rnd % 2 == 0 and rnd < n:  # look for a parent cycle every other round (and the last)
+            continue
         reach = parent
         for _ in range(steps):  # n + 1 steps along the pointers, by doubling
             reach = reach[reach]
