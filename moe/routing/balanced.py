@@ -483,8 +483,11 @@ def balanced_assignment(
     a one-pass check of every token against the final prices certifies the result. Every loop is
     bounded, and the output is a deterministic function of the input.
 
-    Host syncs: none inside the price iterations; a few per refill pass (usually one pass) and
-    per applied exchange cycle (index bookkeeping on the host), plus one per Bellman-Ford round.
+    Host syncs: none inside the price iterations; one for the normalisation, one or two to
+    decide how many full price updates to run, one to list the pairs near each token's best, a
+    few for the pick and the refill, one copy of the candidates' scores to the host (the
+    exchange-cycle search runs there, in numpy, on (E, C) and (E, E) arrays) and one back, and
+    one per certificate check (usually one). A bounded number, whatever the input.
     """
     _check(scores_TE, k)
     _check_options(max_iters, max_cycles, eps)
