@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .common import drop_by_score
-from .exchange import cancel_cycles, held_mask
+from .exchange import cancel_cycles, fill_passes, held_mask
 
 __all__ = ["balanced_assignment", "balanced_assignment_ref", "expert_capacities", "assignment_score"]
 
@@ -390,39 +390,6 @@ def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> None:
     out[u, j] = d
 
 
-def _fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E: np.ndarray) -> None:
-    """The greedy passes of `_fill` on the host, over the N short tokens only, in place: each
-    pass gives every short token its best expert with room that it does not hold (prices
-    ``p``); an expert keeps its ``deficit`` claimants with the largest margins over their next
-    choice (ties: lowest token index). Stops when all are placed or a pass places nothing."""
-    num_experts, n = s_EN.shape
-    rows = np.arange(n)
-    a = s_EN.T - p_E[None]  # (N, E)
-    while True:
-        short = np.flatnonzero((out_NK < 0).any(axis=1))
-        if short.size == 0:
-            return
-        held = np.zeros((short.size, num_experts + 1), dtype=bool)
-        held[np.arange(short.size)[:, None], out_NK[short]] = True  # -1 marks the extra column
-        allowed = ~held[:, :num_experts] & (deficit_E > 0)[None]
-        sub = np.where(allowed, a[short], -np.inf)
-        best = sub.argmax(axis=1)  # first maximal index on ties
-        top = sub[rows[: short.size], best]
-        sub[rows[: short.size], best] = -np.inf
-        ok = np.flatnonzero(np.isfinite(top))
-        if ok.size == 0:
-            return
-        margin = top[ok] - sub[ok].max(axis=1)  # inf when only one expert is allowed
-        order = ok[np.lexsort((ok, -margin, best[ok]))]  # by expert, margin down, token up
-        e = best[order]
-        first = np.flatnonzero(np.concatenate([[True], e[1:] != e[:-1]]))
-        rank = np.arange(order.size) - np.repeat(first, np.diff(np.append(first, order.size)))
-        win = order[rank < deficit_E[e]]
-        tok = short[win]
-        out_NK[tok, (out_NK[tok] < 0).argmax(axis=1)] = best[win]
-        np.subtract.at(deficit_E, best[win], 1)
-
-
 def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> None:
     """Complete a partial assignment in place, greedily: each pass gives every short token its
     best expert with room under prices ``p`` (experts keep the claimants with the largest
@@ -438,7 +405,7 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
             return
         deficit = cap_E - torch.bincount(out[out >= 0], minlength=num_experts)
         sub_out = out[short].cpu().numpy()
-        _fill_passes(s_ET[:, short].double().cpu().numpy(), sub_out, deficit.cpu().numpy(), prices)
+        fill_passes(s_ET[:, short].double().cpu().numpy(), sub_out, deficit.cpu().numpy(), prices)
         out[short] = torch.from_numpy(sub_out).to(out.device)
         stuck = torch.nonzero((out < 0).any(dim=1)).flatten()
         if stuck.numel():
@@ -512,10 +479,12 @@ def balanced_assignment(
             out, margin = _select(s, p, k, cap, work)
         # candidates for exchange cycles: tokens near a boundary under p, and those refilled
         near = (margin < 0.005) | (out < 0).any(dim=1)
-        _fill(s, out, cap, p)
+        if k > 1:  # a short token may hold every expert with room: exchanges may be needed
+            _fill(s, out, cap, p)
         budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
-        if not cancel_cycles(s, out, cap, max_cycles=budget, delta=delta, candidates=torch.nonzero(near).flatten()):
+        cand = torch.nonzero(near).flatten()  # for K = 1 the refill runs with the cycle search
+        if not cancel_cycles(s, out, cap, max_cycles=budget, delta=delta, candidates=cand, prices=p):
             warnings.warn(
                 f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
                 "optimality certificate passed; the assignment is balanced but may be suboptimal",

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["cancel_cycles", "held_mask", "violations"]
+__all__ = ["cancel_cycles", "fill_passes", "held_mask", "violations"]
 
 
 def held_mask(out_TK: Tensor, num_experts: int) -> Tensor:
@@ -176,9 +176,43 @@ def _parent_cycles(par: list[int], on_cycles: list[int]) -> list[list[int]]:
     return cycles
 
 
+def fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E: np.ndarray) -> None:
+    """The greedy passes of `balanced._fill` on the host, over N short tokens, in place: each
+    pass gives every short token its best expert with room that it does not hold (prices
+    ``p``); an expert keeps its ``deficit`` claimants with the largest margins over their next
+    choice (ties: lowest token index). Stops when all are placed or a pass places nothing."""
+    num_experts, n = s_EN.shape
+    rows = np.arange(n)
+    a = s_EN.T - p_E[None]  # (N, E)
+    while True:
+        short = np.flatnonzero((out_NK < 0).any(axis=1))
+        if short.size == 0:
+            return
+        held = np.zeros((short.size, num_experts + 1), dtype=bool)
+        held[np.arange(short.size)[:, None], out_NK[short]] = True  # -1 marks the extra column
+        allowed = ~held[:, :num_experts] & (deficit_E > 0)[None]
+        sub = np.where(allowed, a[short], -np.inf)
+        best = sub.argmax(axis=1)  # first maximal index on ties
+        top = sub[rows[: short.size], best]
+        sub[rows[: short.size], best] = -np.inf
+        ok = np.flatnonzero(np.isfinite(top))
+        if ok.size == 0:
+            return
+        margin = top[ok] - sub[ok].max(axis=1)  # inf when only one expert is allowed
+        order = ok[np.lexsort((ok, -margin, best[ok]))]  # by expert, margin down, token up
+        e = best[order]
+        first = np.flatnonzero(np.concatenate([[True], e[1:] != e[:-1]]))
+        rank = np.arange(order.size) - np.repeat(first, np.diff(np.append(first, order.size)))
+        win = order[rank < deficit_E[e]]
+        tok = short[win]
+        out_NK[tok, (out_NK[tok] < 0).argmax(axis=1)] = best[win]
+        np.subtract.at(deficit_E, best[win], 1)
+
+
 def _host(x: Tensor) -> np.ndarray:
-    """A host numpy copy (bf16 and fp16 scores are normalised to fp32 before they get here)."""
-    return x.detach().cpu().numpy().copy()
+    """A host numpy array of ``x``, a fresh tensor nothing else holds (bf16 and fp16 scores are
+    normalised to fp32 before they get here)."""
+    return x.detach().cpu().numpy()
 
 
 def cancel_cycles(
@@ -190,30 +224,39 @@ def cancel_cycles(
     delta: float,
     candidates: Tensor | None = None,
     band: float = 0.005,
+    prices: Tensor | None = None,
 ) -> bool:
-    """Improve a complete balanced assignment ``out`` by positive exchange cycles, in place.
+    """Complete and improve a balanced assignment ``out`` by exchange cycles, in place.
 
     Cycles are searched among the ``candidates`` (sorted token indices; all tokens if None),
-    typically the tokens within ``band`` of a boundary under some prices. When no cycle is left, the
+    typically the tokens within ``band`` of a boundary under some prices. Empty slots (-1), all
+    of them among the candidates, are first filled by the greedy passes of `fill_passes` under
+    ``prices`` (zero if None); ValueError if that cannot place them all (only possible for
+    K > 1, whose callers complete the assignment first). When no cycle is left, the
     Bellman-Ford distances are prices that certify the candidates; every token is checked
     against them in one pass, and if any fails, the candidates become the tokens within twice
     the band of a boundary under those prices (the failing ones included) and the search goes on.
     Returns True when every token passes (the assignment is then optimal up to ``delta`` per
     move), False if ``max_cycles`` cycles were applied first. Scores must lie within [-1, 1].
-    ``cap_E`` is implied by ``out`` (cycles keep every load) and is not read.
     """
-    del cap_E
-    if bool((out_TK < 0).any()):
-        raise ValueError("cancel_cycles needs a complete assignment (found slots of -1)")
     tok = torch.arange(s_ET.shape[1], device=s_ET.device) if candidates is None else candidates
     band = max(band, 1e-3)
     applied = 0
+    out_C = _host(out_TK.index_select(0, tok))
+    if (out_C < 0).any():
+        if not bool(torch.isin(torch.nonzero((out_TK < 0).any(dim=1)).flatten(), tok).all()):
+            raise ValueError("cancel_cycles: every token with an empty slot must be a candidate")
+        num_experts = s_ET.shape[0]
+        deficit = _host(cap_E - torch.bincount(out_TK[out_TK >= 0], minlength=num_experts))
+        p = np.zeros(num_experts) if prices is None else _host(prices.double().flatten())
+        fill_passes(_host(s_ET.index_select(1, tok).double()), out_C, deficit, p)
+        if (out_C < 0).any():
+            raise ValueError("cancel_cycles: the greedy passes could not fill every empty slot")
     while True:
-        graph = _Graph(_host(s_ET[:, tok]), _host(out_TK[tok]))
+        graph = _Graph(_host(s_ET.index_select(1, tok)), out_C)
         done, n, dist = graph.cancel(delta, max_cycles - applied)
         applied += n
-        if n:
-            out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
+        out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
         if not done:
             return False
         prices = torch.from_numpy(dist).to(device=s_ET.device, dtype=s_ET.dtype)
@@ -222,3 +265,4 @@ def cancel_cycles(
             return True
         band *= 2  # grow geometrically: a few rebuilds at most
         tok = torch.unique(torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)]))
+        out_C = _host(out_TK.index_select(0, tok))
