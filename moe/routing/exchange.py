@@ -53,31 +53,32 @@ class _Graph:
     """The (E, E) best-move gains over the C candidate tokens, kept up to date as tokens move.
 
     Holds the candidates' scores (E, C) and slots (C, K), and for each slot its expert (K, C) and
-    the gain of moving it to every expert (K, C, E). A move changes only the moved tokens' entries
-    and the rows of the experts those tokens touch, so after a cycle only those are recomputed.
+    the gain of moving it to every expert, as (E, K, C) so that each target expert's gains are
+    contiguous. A move changes only the moved tokens' entries and the rows of the experts those
+    tokens touch, so after a cycle only those are recomputed.
     """
 
     def __init__(self, s_EC: np.ndarray, out_CK: np.ndarray) -> None:
         self.s, self.out = s_EC, out_CK
         num_experts = s_EC.shape[0]
-        self.expert_KC, self.gain_KCE = self._slot_gains(np.arange(out_CK.shape[0]))
+        self.expert_KC, self.gain_EKC = self._slot_gains(np.arange(out_CK.shape[0]))
         self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)
         self._rows(np.arange(num_experts))
 
     def _slot_gains(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s = self.s[:, pos]  # (E, P)
-        expert = self.out[pos].T  # (K, P)
-        cur = np.take_along_axis(s, expert, axis=0)  # (K, P) score of each slot's current expert
-        gain = s.T[None] - cur[:, :, None]  # (K, P, E)
-        held = np.zeros((pos.size, s.shape[0]), dtype=bool)
-        held[np.arange(pos.size)[None], expert] = True
-        gain[:, held] = -np.inf
-        return expert.copy(), gain
+        expert = np.ascontiguousarray(self.out[pos].T)  # (K, P)
+        cols = np.broadcast_to(np.arange(pos.size), expert.shape)
+        gain = np.empty((s.shape[0], *expert.shape), dtype=s.dtype)  # (E, K, P), C order: see _rows
+        np.subtract(s[:, None, :], s[expert, cols][None], out=gain)
+        gain[expert, :, cols] = -np.inf  # no slot moves to an expert its token holds
+        return expert, gain
 
     def _rows(self, rows: np.ndarray) -> None:
         """Recompute gain[rows] from the slot gains."""
+        num_experts = self.gain.shape[0]
         self.gain[rows] = -np.inf
-        mark = np.zeros(self.gain.shape[0], dtype=bool)
+        mark = np.zeros(num_experts, dtype=bool)
         mark[rows] = True
         expert = self.expert_KC.ravel()
         pick = np.flatnonzero(mark[expert])
@@ -86,18 +87,18 @@ class _Graph:
         pick = pick[np.argsort(expert[pick], kind="stable")]
         e = expert[pick]
         starts = np.flatnonzero(np.concatenate([[True], e[1:] != e[:-1]]))
-        g = self.gain_KCE.reshape(-1, self.gain.shape[0])[pick]
-        self.gain[e[starts]] = np.maximum.reduceat(g, starts, axis=0)
+        g = np.take(self.gain_EKC.reshape(num_experts, -1), pick, axis=1)  # (E, picked), C order
+        self.gain[e[starts]] = np.maximum.reduceat(g, starts, axis=1).T
 
     def moved(self, pos: np.ndarray) -> None:
         """Candidates at positions ``pos`` changed their experts: refresh what depends on them."""
         before = self.expert_KC[:, pos].ravel()
-        self.expert_KC[:, pos], self.gain_KCE[:, pos] = self._slot_gains(pos)
+        self.expert_KC[:, pos], self.gain_EKC[:, :, pos] = self._slot_gains(pos)
         self._rows(np.unique(np.concatenate([before, self.expert_KC[:, pos].ravel()])))
 
     def mover(self, a: int, b: int) -> tuple[int, int]:
         """(candidate position, slot) of the lowest-index token with the best a -> b move."""
-        hit = (self.expert_KC == a) & (self.gain_KCE[:, :, b] == self.gain[a, b])  # (K, C)
+        hit = (self.expert_KC == a) & (self.gain_EKC[b] == self.gain[a, b])  # (K, C)
         c = int(hit.any(axis=0).argmax())  # first candidate (lowest token index) with a best move
         return c, int(hit[:, c].argmax())
 
