@@ -87,10 +87,10 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
 
     Subtracting a per-token constant and dividing by one positive scale does not change the
     optimal assignment, and makes every later tolerance relative to the largest per-token score
-    range R. Huge finite inputs are divided by their largest magnitude first, so the differences
-    cannot overflow. Without the jitter, tokens with identical scores cannot be told apart by
-    prices and each one costs an exchange later; with it, the objective moves by less than
-    ``jitter`` per slot. One host sync (the finiteness check and the scale).
+    range R. Huge or tiny finite inputs are divided by their largest magnitude first, so the
+    differences can neither overflow nor vanish. Without the jitter, tokens with identical
+    scores cannot be told apart by prices and each one costs an exchange later; with it, the
+    objective moves by less than ``jitter`` per slot. One host sync (the finiteness check and the scale).
     """
     dtype = torch.promote_types(scores.dtype, torch.float32)
     lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)  # per token; NaN propagates
@@ -98,14 +98,14 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     if not math.isfinite(big):
         raise ValueError(f"scores must be finite: found NaN or Inf in a tensor of shape {tuple(scores.shape)}")
     x, scale = scores, 2 * half
-    if big > 1e30:  # differences of such values could overflow: bring them to [-1, 1] first
+    if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
         scale = float((hi - lo).amax())
     num_tokens, num_experts = scores.shape
     s = x.T.to(dtype, memory_format=torch.contiguous_format, copy=True)
     s.sub_(hi)
     if scale > 0:
-        s.mul_(1.0 / scale)
+        s.div_(scale)
     if jitter > 0:  # frac(t * phi + e * psi): a fixed low-discrepancy pattern in [0, 1)
         u = (torch.arange(num_tokens, device=s.device, dtype=torch.float64) * 0.6180339887498949).frac()
         v = (torch.arange(num_experts, device=s.device, dtype=torch.float64) * 0.7548776662466927).frac()
@@ -205,8 +205,8 @@ def _row_quantiles(
     value. One histogram of ``bins`` equal bins over [lo, hi] per row, counted from the top
     (values outside are clamped to the end bins); within the bin that holds the need-th largest
     value, the values are taken as evenly spread. A row with fewer values than it needs gets
-    ``lo``. Resolution about ``(hi - lo) / bins``; no host sync. ``work`` (for (E, T) values)
-    supplies the buffers.
+    ``lo``, one that needs none ``hi``. Resolution about ``(hi - lo) / bins``; no host sync.
+    ``work`` (for (E, T) values) supplies the buffers.
     """
     num_rows = need.shape[0]
     scale = bins / (hi - lo)
@@ -259,8 +259,9 @@ class _Pairs:
     Once the prices are roughly right, a token can only switch between experts close to its
     best, so the pairs further away are left out (about 1.5 to 3 pairs per token remain on
     typical scores). While no price has moved ``width`` more than another since ``p0``, no pair
-    left out can beat a token's best pair, so the pairs alone give every token's pick. A token
-    with one pair counts its runner-up as ``width`` below. One host sync (to list the pairs).
+    left out can beat a token's best pair, so the pairs alone give every token's pick. Every
+    token's runner-up is taken as at least ``width`` below its best (the pairs left out are
+    further down). One host sync (to list the pairs).
     """
 
     def __init__(self, s_ET: Tensor, p0: Tensor, width: float, work: _Work) -> None:
@@ -452,9 +453,10 @@ def balanced_assignment(
 
     Host syncs: none inside the price iterations; one for the normalisation, one or two to
     decide how many full price updates to run, one to list the pairs near each token's best, a
-    few for the pick and the refill, one copy of the candidates' scores to the host (the
-    exchange-cycle search runs there, in numpy, on (E, C) and (E, E) arrays) and one back, and
-    one per certificate check (usually one). A bounded number, whatever the input.
+    few for the pick and the refill, a few copies of the candidates' scores and slots to the
+    host (the refill and the exchange-cycle search run there, in numpy, on (E, C) and (E, E)
+    arrays) and their slots back, and a few per certificate check (usually one check). A
+    bounded number, whatever the input.
     """
     _check(scores_TE, k)
     _check_options(max_iters, max_cycles, eps)

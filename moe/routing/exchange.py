@@ -124,19 +124,22 @@ class _Graph:
 
 def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
     """Node-disjoint cycles whose moves gain more than ``delta`` each on average, and the
-    longest-path distances (E,) when there is none.
+    longest-path distances (E,): converged ones (prices) when there is no cycle, the ones
+    reached so far otherwise (a warm start for the next call).
 
     Bellman-Ford for longest paths, from the distances ``start`` (any start is sound: a cycle of
     the parent pointers set here is always a positive cycle, and distances that no edge can
     raise prove that no positive cycle is left; starting from the last call's distances saves
-    most rounds after a few tokens moved). Cycles of a functional graph never share a node.
+    most rounds after a few tokens moved). The start is shifted so its largest value is 0: the
+    distances only grow within a search, and in float32 large values would swallow gains of
+    the order of ``delta``. Cycles of a functional graph never share a node.
     Converged distances are prices under which every move gains at most ``delta``. At most
     E + 1 rounds. (Measured and rejected: collecting more disjoint cycles after the first ones
     by taking their nodes out; the later cycles gain less and more cycles are applied in all.)
     """
     n = gain.shape[0]
     w = gain - delta
-    dist = start.copy()
+    dist = start - start.max()  # a constant shift changes nothing but keeps the values small
     parent = np.full(n + 1, n, dtype=np.int64)  # n: no parent (a sink that points to itself)
     cols = np.arange(n)
     steps = max(1, (n + 1).bit_length())
@@ -211,8 +214,9 @@ def fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E
 
 
 def _host(x: Tensor) -> np.ndarray:
-    """A host numpy array of ``x``, a fresh tensor nothing else holds (bf16 and fp16 scores are
-    normalised to fp32 before they get here)."""
+    """A host numpy array of ``x`` (no copy on CPU): ``x`` must be a fresh tensor nothing else
+    holds, or the array only read (bf16 and fp16 scores are normalised to fp32 before they get
+    here)."""
     return x.detach().cpu().numpy()
 
 

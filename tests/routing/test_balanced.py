@@ -186,6 +186,25 @@ def test_huge_finite_scores():
     assert balanced_assignment(big).flatten().tolist() == [1, 0]
 
 
+def test_tiny_finite_scores():
+    # ranges whose reciprocal overflows the dtype, and subnormal ones
+    for value, dtype in ((1e-39, torch.float32), (1e-44, torch.float32), (1e-310, torch.float64)):
+        scores = torch.tensor([[value, 0.0], [0.0, value]], dtype=dtype)
+        assert balanced_assignment(scores).flatten().tolist() == [0, 1]
+        assert balanced_assignment(-scores).flatten().tolist() == [1, 0]
+
+
+def test_float32_with_many_cycles_reaches_the_optimum():
+    # no price updates: the exchange cycles do all the work, in float32
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(512, 16, generator=g)
+    scores[:, :2] += 2.0
+    for k in (1, 2):
+        idx = balanced_assignment(scores, k, max_iters=0)
+        check_feasible(idx, 512, 16, k)
+        assert float(assignment_score(scores, idx)) == pytest.approx(optimum(scores, k), rel=1e-5)
+
+
 def test_tie_heavy_scores_at_scale_reach_the_optimum():
     # integer scores in {0, 1, 2}: prices alone cannot split tied tokens
     g = torch.Generator().manual_seed(0)
