@@ -197,32 +197,31 @@ def _margins(a_ET: Tensor, k: int, work: _Work | None = None) -> Tensor:
 
 
 def _row_quantiles(
-    v: Tensor, row_bins: Tensor, need: Tensor, lo: float, hi: float, bins: int, work: _Work | None = None
+    v: Tensor, row_base: Tensor, need: Tensor, width: float, bins: int, work: _Work | None = None
 ) -> Tensor:
-    """For each row r, about where ``need[r]`` (float) of its values lie above: (R,).
+    """For each row r, about where ``need[r]`` (int64) of its values lie above: (R,).
 
-    ``v`` holds the values and ``row_bins`` (broadcast against it) ``r * bins`` for the row of each
-    value. One histogram of ``bins`` equal bins over [lo, hi] per row, counted from the top
-    (values outside are clamped to the end bins); within the bin that holds the need-th largest
-    value, the values are taken as evenly spread. A row with fewer values than it needs gets
-    ``lo``, one that needs none ``hi``. Resolution about ``(hi - lo) / bins``; no host sync.
-    ``work`` (for (E, T) values) supplies the buffers.
+    ``v`` holds the values and ``row_base`` (broadcast against it) ``r * bins + bins / 2`` for the
+    row of each value. One histogram of ``bins`` equal bins over [-width, width] per row, counted
+    from the top (values outside are clamped to the end bins); within the bin that holds the
+    need-th largest value, the values are taken as evenly spread. A row with fewer values than
+    it needs gets ``-width``, one that needs none ``width``. Resolution about
+    ``2 * width / bins``; no host sync. ``work`` (for (E, T) values) supplies the buffers.
     """
     num_rows = need.shape[0]
-    scale = bins / (hi - lo)
-    if work is None:
-        pos, idx = torch.mul(v, -scale), torch.empty(v.shape, dtype=torch.int32, device=v.device)
-    else:
-        pos, idx = torch.mul(v, -scale, out=work.b), work.idx
-    pos.add_(hi * scale).clamp_(0.0, bins - 0.5).add_(row_bins)  # bin 0 holds the largest values
-    idx.copy_(pos)
+    scale = bins / (2 * width)
+    buf = None if work is None else work.b
+    pos = torch.clamp(v, min=0.5 / scale - width, max=width, out=buf)
+    pos = torch.add(row_base, pos, alpha=-scale, out=buf)  # bin 0 holds the largest values
+    idx = pos.to(torch.int32) if work is None else work.idx.copy_(pos)
     hist = torch.bincount(idx.view(-1), minlength=num_rows * bins).view(num_rows, bins)
     cum = hist.cumsum(1)  # values in this bin or a higher one
     need = need[:, None]
-    j = (cum < need).sum(1, keepdim=True).clamp_(max=bins - 1)  # the bin holding the need-th largest
+    j = torch.searchsorted(cum, need).clamp_(max=bins - 1)  # the bin holding the need-th largest
     n = hist.gather(1, j)
-    frac = (need - cum.gather(1, j) + n).div_(n.clamp(min=1)).clamp_(0.0, 1.0)  # how far into that bin
-    return (j + frac).mul_(-1.0 / scale).add_(hi).flatten()  # lo when the row has too few values
+    inside = (need - cum.gather(1, j) + n).to(v.dtype)  # of that bin's values, how many lie above
+    frac = inside.div_(n.clamp(min=1)).clamp_(0.0, 1.0)
+    return (j + frac).mul_(-1.0 / scale).add_(width).flatten()  # -width when the row has too few
 
 
 _BINS_DENSE = 512  # histogram bins over the full margin range [-1, 1]
@@ -235,17 +234,18 @@ def _jacobi_prices(
     """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
     largest price move of the last update (a scalar tensor).
 
-    Each update moves every expert's price to the value at which exactly ``target[e]`` tokens
-    would pick it were the other prices fixed (the midpoint between two order statistics of the
-    margins, from a per-expert histogram), damped by ``omega``. No host sync.
+    Each update moves every expert's price to the value at which exactly ``target[e]`` (int64)
+    tokens would pick it were the other prices fixed (the midpoint between two order statistics
+    of the margins, from a per-expert histogram), damped by ``omega``. No host sync.
     """
     num_experts = s_ET.shape[0]
     last = s_ET.new_zeros(())
-    row_bins = (torch.arange(num_experts, device=s_ET.device, dtype=s_ET.dtype) * _BINS_DENSE)[:, None]
+    rows = torch.arange(num_experts, device=s_ET.device, dtype=s_ET.dtype)
+    row_base = (rows * _BINS_DENSE + _BINS_DENSE / 2)[:, None]
     work = _Work(s_ET) if work is None else work
     for _ in range(iters):
         d = _margins(work.shifted(s_ET, p), k, work)
-        q = _row_quantiles(d, row_bins, target_E, -1.0, 1.0, _BINS_DENSE, work)
+        q = _row_quantiles(d, row_base, target_E, 1.0, _BINS_DENSE, work)
         step = omega * q
         p = p + step[:, None]
         last = step.abs().max()
@@ -269,7 +269,7 @@ class _Pairs:
         self.e_M, self.t_M = torch.nonzero(a > a.amax(dim=0) - width, as_tuple=True)
         self.s_M = s_ET[self.e_M, self.t_M]
         self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
-        self.row_bins = (self.e_M * _BINS_SPARSE).to(s_ET.dtype)
+        self.row_base = (self.e_M * _BINS_SPARSE).to(s_ET.dtype) + _BINS_SPARSE / 2
         self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
 
     def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -287,8 +287,8 @@ class _Pairs:
         for _ in range(iters):
             a_M, _, m1_M, m2 = self._top2(p)
             d_M = (a_M - m1_M).add_((a_M - m2.index_select(0, self.t_M)).relu_())
-            q = _row_quantiles(d_M, self.row_bins, target_E, -self.width, self.width, _BINS_SPARSE)
-            p = p + omega * q[:, None]
+            q = _row_quantiles(d_M, self.row_base, target_E, self.width, _BINS_SPARSE)
+            p = torch.add(p, q[:, None], alpha=omega)
         return p
 
     def select(self, p: Tensor, cap_E: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -328,7 +328,7 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) ->
     cost more exchange cycles than they saved).
     """
     p = s_ET.new_zeros(s_ET.shape[0], 1)
-    target = cap_E.to(s_ET.dtype)
+    target = cap_E
     if k > 1 or max_iters <= 2:
         return _jacobi_prices(s_ET, target, k, max_iters, p, work=work)[0], None
     p, last = _jacobi_prices(s_ET, target, k, 1, p, work=work)
@@ -477,7 +477,7 @@ def balanced_assignment(
         for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
             if int((out < 0).sum()) <= num_tokens * k // 100:
                 break
-            p = _jacobi_prices(s, cap.to(s.dtype), k, max(max_iters, 2), p, work=work)[0]
+            p = _jacobi_prices(s, cap, k, max(max_iters, 2), p, work=work)[0]
             out, margin = _select(s, p, k, cap, work)
         # candidates for exchange cycles: tokens near a boundary under p, and those refilled
         near = (margin < 0.005) | (out < 0).any(dim=1)
