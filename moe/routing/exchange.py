@@ -68,7 +68,7 @@ class _Graph:
     def _slot_gains(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s = self.s[:, pos]  # (E, P)
         expert = np.ascontiguousarray(self.out[pos].T)  # (K, P)
-        cols = np.broadcast_to(np.arange(pos.size), expert.shape)
+        cols = np.arange(pos.size)[None]  # broadcasts against expert
         gain = np.empty((s.shape[0], *expert.shape), dtype=s.dtype)  # (E, K, P), C order: see _rows
         np.subtract(s[:, None, :], s[expert, cols][None], out=gain)
         gain[expert, :, cols] = -np.inf  # no slot moves to an expert its token holds
@@ -92,9 +92,10 @@ class _Graph:
 
     def moved(self, pos: np.ndarray) -> None:
         """Candidates at positions ``pos`` changed their experts: refresh what depends on them."""
-        before = self.expert_KC[:, pos].ravel()
+        touched = set(self.expert_KC[:, pos].ravel().tolist())
         self.expert_KC[:, pos], self.gain_EKC[:, :, pos] = self._slot_gains(pos)
-        self._rows(np.unique(np.concatenate([before, self.expert_KC[:, pos].ravel()])))
+        touched.update(self.expert_KC[:, pos].ravel().tolist())
+        self._rows(np.array(sorted(touched), dtype=np.int64))
 
     def mover(self, a: int, b: int) -> tuple[int, int]:
         """(candidate position, slot) of the lowest-index token with the best a -> b move."""
@@ -138,19 +139,20 @@ def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[lis
     by taking their nodes out; the later cycles gain less and more cycles are applied in all.)
     """
     n = gain.shape[0]
-    w = gain - delta
+    w_in = np.ascontiguousarray((gain - delta).T)  # w_in[b, a]: the edge a -> b, rows contiguous
     dist = start - start.max()  # a constant shift changes nothing but keeps the values small
     parent = np.full(n + 1, n, dtype=np.int64)  # n: no parent (a sink that points to itself)
-    cols = np.arange(n)
+    rows = np.arange(n)
+    through = np.empty_like(w_in)
     steps = max(1, (n + 1).bit_length())
     for rnd in range(n + 1):
-        through = dist[:, None] + w
-        arg = through.argmax(axis=0)  # first maximal index on ties
-        cand = through[arg, cols]
+        np.add(w_in, dist, out=through)  # through[b, a] = dist[a] + w(a -> b)
+        arg = through.argmax(axis=1)  # first maximal index on ties
+        cand = through[rows, arg]
         changed = cand > dist
         if not changed.any():
             return [], dist
-        dist = np.where(changed, cand, dist)
+        dist = np.maximum(dist, cand)
         parent[:n] = np.where(changed, arg, parent[:n])
         if rnd % 2 == 0 and rnd < n:  # look for a parent cycle every other round (and the last)
             continue
