@@ -155,13 +155,12 @@ def _merge_row(hi: Tensor, lo: Tensor, x_hi: Tensor, x_lo: Tensor) -> None:
     hi[0] = torch.maximum(hi[0], x_hi)
 
 
-def _top2(a_ET: Tensor, work: _Work | None = None) -> tuple[Tensor, Tensor]:
+def _top2(a_ET: Tensor, work: _Work) -> tuple[Tensor, Tensor]:
     """Largest and second largest entry of every column (T,), (T,), by a tournament of
     elementwise max and min over halves of the rows (cheaper than a sort or a masked reduction)."""
     num_experts, num_tokens = a_ET.shape
     if num_experts == 1:
         return a_ET[0].clone(), a_ET.new_full((num_tokens,), float("-inf"))
-    work = _Work(a_ET) if work is None else work
     h = num_experts // 2
     hi, lo, tmp = work.hi[:h], work.lo[:h], work.tmp
     torch.maximum(a_ET[:h], a_ET[h : 2 * h], out=hi)
@@ -182,14 +181,12 @@ def _top2(a_ET: Tensor, work: _Work | None = None) -> tuple[Tensor, Tensor]:
     return hi[0].clone(), lo[0].clone()
 
 
-def _margins(a_ET: Tensor, k: int, work: _Work | None = None) -> Tensor:
+def _margins(a_ET: Tensor, k: int, work: _Work) -> Tensor:
     """(E, T): how far each expert's price may rise before token t stops picking it (> 0), or
-    must fall before t picks it (< 0), the other prices fixed. With ``work`` (K = 1), computed
-    in place in ``a_ET``."""
+    must fall before t picks it (< 0), the other prices fixed. For K = 1 computed in place in
+    ``a_ET``."""
     if k == 1:  # the held expert's margin is m1 - m2, every other one's a - m1
         m1, m2 = _top2(a_ET, work)
-        if work is None:
-            return (a_ET - m1).add_((a_ET - m2).relu_())
         up = torch.sub(a_ET, m2, out=work.b).relu_()
         return a_ET.sub_(m1).add_(up)
     top = a_ET.topk(k + 1, dim=0).values
@@ -229,7 +226,7 @@ _BINS_SPARSE = 256  # bins over the window [-width, width]
 
 
 def _jacobi_prices(
-    s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, omega: float = 0.7, work: _Work | None = None
+    s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, work: _Work, omega: float = 0.7
 ) -> tuple[Tensor, Tensor]:
     """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
     largest price move of the last update (a scalar tensor).
@@ -242,7 +239,6 @@ def _jacobi_prices(
     last = s_ET.new_zeros(())
     rows = torch.arange(num_experts, device=s_ET.device, dtype=s_ET.dtype)
     row_base = (rows * _BINS_DENSE + _BINS_DENSE / 2)[:, None]
-    work = _Work(s_ET) if work is None else work
     for _ in range(iters):
         d = _margins(work.shifted(s_ET, p), k, work)
         q = _row_quantiles(d, row_base, target_E, 1.0, _BINS_DENSE, work)
@@ -340,7 +336,7 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) ->
     return pairs.jacobi(p, target, max_iters - dense), pairs
 
 
-def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work | None = None) -> tuple[Tensor, Tensor]:
+def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work) -> tuple[Tensor, Tensor]:
     """Each token takes its K best experts under prices; a full expert keeps the tokens with the
     largest margins over their next choice (ties: lowest token index) and drops the rest.
 
@@ -348,7 +344,7 @@ def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work | None =
     remained, and each token's margin (T,): how much better its K-th pick is than the next.
     """
     num_experts, num_tokens = s_ET.shape
-    a = s_ET - p if work is None else work.shifted(s_ET, p)
+    a = work.shifted(s_ET, p)
     if k == 1:  # fast path: no copy of the scores
         best, idx = a.max(dim=0)  # first maximal index on ties
         vals = torch.stack([best, _top2(a, work)[1]])

@@ -250,17 +250,18 @@ def cancel_cycles(
     band = max(band, 1e-3)
     applied = 0
     out_C = _host(out_TK.index_select(0, tok))
+    s_C = _host(s_ET.index_select(1, tok))
     if (out_C < 0).any():
         if not bool(torch.isin(torch.nonzero((out_TK < 0).any(dim=1)).flatten(), tok).all()):
             raise ValueError("cancel_cycles: every token with an empty slot must be a candidate")
         num_experts = s_ET.shape[0]
         deficit = _host(cap_E - torch.bincount(out_TK[out_TK >= 0], minlength=num_experts))
         p = np.zeros(num_experts) if prices is None else _host(prices.double().flatten())
-        fill_passes(_host(s_ET.index_select(1, tok).double()), out_C, deficit, p)
+        fill_passes(s_C, out_C, deficit, p)  # in float64: the prices are
         if (out_C < 0).any():
             raise ValueError("cancel_cycles: the greedy passes could not fill every empty slot")
     while True:
-        graph = _Graph(_host(s_ET.index_select(1, tok)), out_C)
+        graph = _Graph(s_C, out_C)
         done, n, dist = graph.cancel(delta, max_cycles - applied)
         applied += n
         out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
@@ -272,4 +273,4 @@ def cancel_cycles(
             return True
         band *= 2  # grow geometrically: a few rebuilds at most
         tok = torch.unique(torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)]))
-        out_C = _host(out_TK.index_select(0, tok))
+        out_C, s_C = _host(out_TK.index_select(0, tok)), _host(s_ET.index_select(1, tok))
