@@ -66,9 +66,9 @@ def _check(scores: Tensor, k: int, name: str = "scores") -> None:
         raise ValueError(f"k must be an int in [1, E={num_experts}], got {k!r}")
 
 
-def _check_finite(largest: Tensor, scores: Tensor, name: str = "scores") -> None:
-    """``largest`` = max |scores|: NaN or Inf anywhere makes it non-finite (one host sync)."""
-    if not bool(torch.isfinite(largest)):
+def _check_finite(largest: float, scores: Tensor, name: str = "scores") -> None:
+    """``largest`` = max |scores|: NaN or Inf anywhere makes it non-finite."""
+    if not math.isfinite(largest):
         raise ValueError(f"{name} must be finite: found NaN or Inf in a tensor of shape {tuple(scores.shape)}")
 
 
@@ -95,8 +95,7 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     dtype = torch.promote_types(scores.dtype, torch.float32)
     lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)  # per token; NaN propagates
     big, half = torch.stack([torch.maximum(hi.abs(), lo.abs()).amax(), (hi * 0.5 - lo * 0.5).amax()]).tolist()
-    if not math.isfinite(big):
-        raise ValueError(f"scores must be finite: found NaN or Inf in a tensor of shape {tuple(scores.shape)}")
+    _check_finite(big, scores)
     x, scale = scores, 2 * half
     if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
@@ -296,7 +295,8 @@ class _Pairs:
         at_best = torch.where(a_M >= m1_M, self.e_M, self.num_experts)
         idx = self.t_M.new_full(m1.shape, self.num_experts)
         idx = idx.scatter_reduce(0, self.t_M, at_best, reduce="amin")  # lowest expert on ties
-        return _keep_best(idx, m1 - m2, cap_E)[:, None], m1 - m2
+        margin = m1 - m2
+        return _keep_best(idx, margin, cap_E)[:, None], margin
 
 
 def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
@@ -324,16 +324,15 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) ->
     cost more exchange cycles than they saved).
     """
     p = s_ET.new_zeros(s_ET.shape[0], 1)
-    target = cap_E
     if k > 1 or max_iters <= 2:
-        return _jacobi_prices(s_ET, target, k, max_iters, p, work=work)[0], None
-    p, last = _jacobi_prices(s_ET, target, k, 1, p, work=work)
+        return _jacobi_prices(s_ET, cap_E, k, max_iters, p, work=work)[0], None
+    p, last = _jacobi_prices(s_ET, cap_E, k, 1, p, work=work)
     dense = 1
     if float(last) > 0.05:
-        p, last = _jacobi_prices(s_ET, target, k, 1, p, work=work)
+        p, last = _jacobi_prices(s_ET, cap_E, k, 1, p, work=work)
         dense = 2
     pairs = _Pairs(s_ET, p, float(last.clamp(0.02, 0.05)), work)  # wide enough for the moves still to come
-    return pairs.jacobi(p, target, max_iters - dense), pairs
+    return pairs.jacobi(p, cap_E, max_iters - dense), pairs
 
 
 def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work) -> tuple[Tensor, Tensor]:
@@ -461,7 +460,7 @@ def balanced_assignment(
     if num_tokens == 0:
         return torch.empty(0, k, dtype=torch.int64, device=device)
     if k == num_experts:  # every token takes every expert
-        _check_finite(scores_TE.abs().amax(), scores_TE)
+        _check_finite(float(scores_TE.abs().amax()), scores_TE)
         return torch.arange(k, device=device).expand(num_tokens, k).clone()
     with torch.no_grad():
         s = _normalise(scores_TE, jitter=eps / 2)
@@ -477,12 +476,10 @@ def balanced_assignment(
             out, margin = _select(s, p, k, cap, work)
         # candidates for exchange cycles: tokens near a boundary under p, and those refilled
         near = (margin < 0.005) | (out < 0).any(dim=1)
-        if k > 1:  # a short token may hold every expert with room: exchanges may be needed
-            _fill(s, out, cap, p)
+        _fill(s, out, cap, p)
         budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
-        cand = torch.nonzero(near).flatten()  # for K = 1 the refill runs with the cycle search
-        if not cancel_cycles(s, out, cap, max_cycles=budget, delta=delta, candidates=cand, prices=p):
+        if not cancel_cycles(s, out, max_cycles=budget, delta=delta, candidates=torch.nonzero(near).flatten()):
             warnings.warn(
                 f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
                 "optimality certificate passed; the assignment is balanced but may be suboptimal",
@@ -506,9 +503,8 @@ def balanced_assignment_ref(scores_TE: Tensor, k: int = 1, *, eps: float = 1e-9)
     if num_tokens == 0:
         return out
     with torch.no_grad():
-        s = _normalise(scores_TE.double(), jitter=0.0)
-        cap = expert_capacities(num_tokens, num_experts, k, device=scores_TE.device)
+        s = _normalise(scores_TE.double(), jitter=0.0)  # the round robin is balanced by the same rule
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)
-        if not cancel_cycles(s, out, cap, max_cycles=10 * num_tokens * k + 100, delta=delta):
+        if not cancel_cycles(s, out, max_cycles=10 * num_tokens * k + 100, delta=delta):
             raise RuntimeError("balanced_assignment_ref did not converge")
     return out

@@ -225,43 +225,30 @@ def _host(x: Tensor) -> np.ndarray:
 def cancel_cycles(
     s_ET: Tensor,
     out_TK: Tensor,
-    cap_E: Tensor,
     *,
     max_cycles: int,
     delta: float,
     candidates: Tensor | None = None,
     band: float = 0.005,
-    prices: Tensor | None = None,
 ) -> bool:
-    """Complete and improve a balanced assignment ``out`` by exchange cycles, in place.
+    """Improve a complete balanced assignment ``out`` by positive exchange cycles, in place
+    (cycles keep every load, so the capacities are those of ``out``).
 
     Cycles are searched among the ``candidates`` (sorted token indices; all tokens if None),
-    typically the tokens within ``band`` of a boundary under some prices. Empty slots (-1), all
-    of them among the candidates, are first filled by the greedy passes of `fill_passes` under
-    ``prices`` (zero if None); ValueError if that cannot place them all (only possible for
-    K > 1, whose callers complete the assignment first). When no cycle is left, the
+    typically the tokens within ``band`` of a boundary under some prices. When no cycle is left, the
     Bellman-Ford distances are prices that certify the candidates; every token is checked
     against them in one pass, and if any fails, the candidates become the tokens within twice
     the band of a boundary under those prices (the failing ones included) and the search goes on.
     Returns True when every token passes (the assignment is then optimal up to ``delta`` per
     move), False if ``max_cycles`` cycles were applied first. Scores must lie within [-1, 1].
     """
+    if bool((out_TK < 0).any()):
+        raise ValueError("cancel_cycles needs a complete assignment (found slots of -1)")
     tok = torch.arange(s_ET.shape[1], device=s_ET.device) if candidates is None else candidates
     band = max(band, 1e-3)
     applied = 0
-    out_C = _host(out_TK.index_select(0, tok))
-    s_C = _host(s_ET.index_select(1, tok))
-    if (out_C < 0).any():
-        if not bool(torch.isin(torch.nonzero((out_TK < 0).any(dim=1)).flatten(), tok).all()):
-            raise ValueError("cancel_cycles: every token with an empty slot must be a candidate")
-        num_experts = s_ET.shape[0]
-        deficit = _host(cap_E - torch.bincount(out_TK[out_TK >= 0], minlength=num_experts))
-        p = np.zeros(num_experts) if prices is None else _host(prices.double().flatten())
-        fill_passes(s_C, out_C, deficit, p)  # in float64: the prices are
-        if (out_C < 0).any():
-            raise ValueError("cancel_cycles: the greedy passes could not fill every empty slot")
     while True:
-        graph = _Graph(s_C, out_C)
+        graph = _Graph(_host(s_ET.index_select(1, tok)), _host(out_TK.index_select(0, tok)))
         done, n, dist = graph.cancel(delta, max_cycles - applied)
         applied += n
         out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
@@ -273,4 +260,3 @@ def cancel_cycles(
             return True
         band *= 2  # grow geometrically: a few rebuilds at most
         tok = torch.unique(torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)]))
-        out_C, s_C = _host(out_TK.index_select(0, tok)), _host(s_ET.index_select(1, tok))
