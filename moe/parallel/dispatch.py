@@ -34,13 +34,30 @@ from torch import Tensor
 
 from .all_to_all import all_to_all
 
-__all__ = ["STRATEGIES", "DispatchInfo", "PeerFailedError", "combine", "dispatch", "resolve_strategy", "send_key"]
+__all__ = [
+    "STRATEGIES",
+    "DispatchInfo",
+    "PeerFailedError",
+    "combine",
+    "dispatch",
+    "raise_if_peers_failed",
+    "resolve_strategy",
+    "send_key",
+]
 
 STRATEGIES = ("auto", "resort", "per_expert")
 
 
 class PeerFailedError(ValueError):
     """Another rank of the group failed before an exchange (it sent negative counts)."""
+
+
+def raise_if_peers_failed(sent: list[int], group, what: str) -> None:
+    """Raise PeerFailedError naming the ranks of ``group`` whose number in ``sent`` (one per
+    rank) is negative: a rank that could not go on sends -1 (`ExpertParallel.fail`)."""
+    failed = [dist.get_global_rank(group, j) for j, n in enumerate(sent) if n < 0]
+    if failed:
+        raise PeerFailedError(f"expert-parallel ranks {failed} failed before the {what} (see their errors)")
 
 
 @dataclass(frozen=True)
@@ -136,9 +153,7 @@ def dispatch(
         recv_WE = torch.empty_like(send_WE)  # counts need no autograd: the in-place collective is cheaper
         dist.all_to_all_single(recv_WE, send_WE, group=group)
         send, recv = send_WE.tolist(), recv_WE.tolist()  # host sync: the sizes
-        failed = [dist.get_global_rank(group, j) for j, row in enumerate(recv) if any(c < 0 for c in row)]
-        if failed:  # a rank that could not route sent negative counts (ExpertParallel.fail)
-            raise PeerFailedError(f"expert-parallel ranks {failed} failed before the dispatch (see their errors)")
+        raise_if_peers_failed([min(row) for row in recv], group, "dispatch")
     counts_local = torch.tensor([sum(col) for col in zip(*recv, strict=True)], dtype=torch.int64)
     counts_local = counts_local.to(x_MD.device, non_blocking=True)
     if strategy == "per_expert":

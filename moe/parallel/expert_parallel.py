@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..layer import MoE
 from ..routing import BaseRouter, TopKRouter, balanced_assignment, expert_capacities
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
-from .dispatch import STRATEGIES, PeerFailedError, combine, dispatch, resolve_strategy, send_key
+from .dispatch import STRATEGIES, PeerFailedError, combine, dispatch, raise_if_peers_failed, resolve_strategy, send_key
 
 __all__ = ["ExpertParallel", "GroupBalance", "parallelize_moe", "reduce_gradients"]
 
@@ -38,12 +38,6 @@ def _exchange_sizes(n: int, group, device: torch.device) -> list[int]:
     world = dist.get_world_size(group)
     sizes = all_to_all(torch.full((world,), n, dtype=torch.int64, device=device), [1] * world, [1] * world, group)
     return sizes.tolist()
-
-
-def _raise_if_failed(sizes: list[int], group) -> None:
-    failed = [dist.get_global_rank(group, j) for j, n in enumerate(sizes) if n < 0]
-    if failed:
-        raise PeerFailedError(f"expert-parallel ranks {failed} failed before the exchange (see their errors)")
 
 
 class GroupBalance:
@@ -57,7 +51,7 @@ class GroupBalance:
 
     def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
         sizes = _exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
-        _raise_if_failed(sizes, self.group)
+        raise_if_peers_failed(sizes, self.group, "exchange")
         rows = all_gather_rows(scores_TE.detach(), sizes, self.group)  # the same (sum T, E) everywhere
         idx = balanced_assignment(rows, k, **options)
         start = sum(sizes[: dist.get_rank(self.group)])
