@@ -35,8 +35,8 @@ def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend
         raise ValueError(f"counts must be an (E,) integer tensor, got {_describe(counts_E)}")
     if w_EIN.shape[0] < 1:
         raise ValueError(f"w must hold at least one expert, got shape {tuple(w_EIN.shape)}")
-    if counts_E.device != x_MI.device:
-        raise ValueError(f"counts must be on x's device {x_MI.device}, got {counts_E.device}")
+    if counts_E.device != x_MI.device and counts_E.device.type != "cpu":
+        raise ValueError(f"counts must be on x's device {x_MI.device} or on the CPU, got {counts_E.device}")
     if counts_E.shape[0] != w_EIN.shape[0]:
         raise ValueError(f"counts must have one entry per expert of w (E={w_EIN.shape[0]}), got {counts_E.shape[0]}")
     inner = w_EIN.shape[2] if trans_w else w_EIN.shape[1]
@@ -90,6 +90,11 @@ def _check_counts(counts_E: Tensor, num_rows: int) -> None:
         raise ValueError(f"counts must be >= 0 and sum to the M = {num_rows} rows of x, got {counts_E.tolist()}")
 
 
+def _offsets(counts_E: Tensor, device: torch.device) -> Tensor:
+    """End row of each group, int32 on ``device`` (from host counts: a copy, not a sync)."""
+    return torch.cumsum(counts_E, 0).to(device=device, dtype=torch.int32, non_blocking=True)
+
+
 def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: str, out_dtype) -> Tensor:
     """y = x @ w[e] per group (w[e].T with trans_w), stored in out_dtype, without autograd."""
     _check_counts(counts_E, x_MI.shape[0])
@@ -101,7 +106,7 @@ def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: 
     if backend == "ref":
         return grouped_mm_ref(x_MI, w_EIN, counts_E, out_dtype=out_dtype)
     if out_dtype == x_MI.dtype and _use_grouped_mm_cpu(x_MI, w_EIN):
-        return torch._grouped_mm(x_MI, w_EIN, offs=torch.cumsum(counts_E, 0).to(torch.int32))
+        return torch._grouped_mm(x_MI, w_EIN, offs=_offsets(counts_E, x_MI.device))
     # torch's matmuls accumulate bf16 and fp16 in fp32 (on CPU too: the same error as fp32 math
     # rounded once, measured); a wider out_dtype multiplies in that dtype
     acc = torch.promote_types(x_MI.dtype, out_dtype)
@@ -116,7 +121,7 @@ def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend
 
         dw_EIN = triton_wgrad(x_MI, dy_MN, counts_E)
     elif backend == "torch" and _use_grouped_mm_cpu(x_MI, dy_MN[None]):  # dY read as a (1, M, N) "weight"
-        dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=torch.cumsum(counts_E, 0).to(torch.int32))
+        dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=_offsets(counts_E, x_MI.device))
     else:  # the loop, and the reference (its wgrad is this loop in fp32)
         acc = x_MI.dtype if backend == "torch" else torch.promote_types(x_MI.dtype, torch.float32)
         pairs = zip(x_MI.split(counts_E.tolist()), dy_MN.split(counts_E.tolist()), strict=True)
@@ -181,7 +186,8 @@ def grouped_mm(
     Args:
         x_MI: rows grouped by expert, expert e's ``counts[e]`` rows after those of e - 1.
         w_EIN: (E, I, N) weights, or (E, N, I) with ``trans_w`` (used transposed, no copy).
-        counts_E: (E,) rows per expert, summing to M; experts may have none.
+        counts_E: (E,) rows per expert, summing to M; experts may have none. On x's device, or
+            on the CPU when x is on an accelerator: host counts spare the op its host syncs.
         out_dtype: result dtype (default x's). fp32, bf16 and fp16 accumulate in fp32.
         backend: "triton" (the kernels of `triton_grouped_mm`: CUDA, or CPU under
             ``TRITON_INTERPRET=1``), "torch" (``torch._grouped_mm`` on CPU for fp32/bf16/fp16
@@ -192,7 +198,7 @@ def grouped_mm(
     The op is registered as ``torch.ops.moe.grouped_mm`` with a fake implementation and its
     backward (``moe::grouped_mm_wgrad`` for dW), so it compiles under ``torch.compile`` without a
     graph break. Host syncs: a few inside the op to check the counts (and to split by them for
-    the loop, or to build the Triton tile schedule).
+    the loop, or to build the Triton tile schedule); none when the counts are on the host.
     """
     _check(x_MI, w_EIN, counts_E, trans_w, backend)
     if out_dtype is not None and not out_dtype.is_floating_point:

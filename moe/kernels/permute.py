@@ -123,10 +123,12 @@ def _unpermute_backward(ctx, dout_TD):
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
-def sort_slots(expert_idx_TK: Tensor, *, num_experts: int) -> PermuteInfo:
+def sort_slots(expert_idx_TK: Tensor, *, num_experts: int, num_rows: int | None = None) -> PermuteInfo:
     """The `PermuteInfo` of sorting the kept slots by expert (stable), without moving any rows:
     what the fused ops of `moe.kernels.fused` take. ``expert_idx``: (T, K) int64 in [-1, E),
-    -1 for a dropped slot. One host sync (the range check), one more for M."""
+    -1 for a dropped slot. One host sync (the range check), one more for M; none when the
+    caller knows M (``num_rows``, e.g. T*K when nothing can be dropped): both checks then run
+    on the device (``torch._assert_async``)."""
     idx = expert_idx_TK
     if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype != torch.int64:
         raise ValueError(
@@ -135,17 +137,25 @@ def sort_slots(expert_idx_TK: Tensor, *, num_experts: int) -> PermuteInfo:
         )
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if idx.numel():
+    num_tokens, k = expert_idx_TK.shape
+    device = expert_idx_TK.device
+    if num_rows is not None and (not isinstance(num_rows, int) or not 0 <= num_rows <= num_tokens * k):
+        raise ValueError(f"num_rows must be None or an int in [0, T*K = {num_tokens * k}], got {num_rows!r}")
+    if num_rows is not None:
+        torch._assert_async(((idx >= -1) & (idx < num_experts)).all(), f"expert_idx must lie in [-1, {num_experts})")
+    elif idx.numel():
         lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"expert_idx must lie in [-1, {num_experts}), got [{lo}, {hi}]")
-    num_tokens, k = expert_idx_TK.shape
-    device = expert_idx_TK.device
     key = torch.where(expert_idx_TK < 0, num_experts, expert_idx_TK).reshape(-1)  # dropped slots sort last
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    slot = order[: int(counts.sum())]
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    key, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(key, torch.arange(num_experts + 1, device=device))  # first row of each expert, then M
+    counts = offsets.diff()
+    if num_rows is None:
+        num_rows = int(offsets[-1])
+    else:
+        torch._assert_async(offsets[-1] == num_rows, f"expert_idx must keep num_rows = {num_rows} slots")
+    slot = order[:num_rows]
     row_of_slot = torch.full((num_tokens * k,), -1, dtype=torch.int64, device=device)
     row_of_slot[slot] = torch.arange(slot.numel(), device=device)
     token = slot // k
@@ -153,13 +163,13 @@ def sort_slots(expert_idx_TK: Tensor, *, num_experts: int) -> PermuteInfo:
 
 
 def permute(
-    x_TD: Tensor, expert_idx_TK: Tensor, *, num_experts: int, backend: str = "auto"
+    x_TD: Tensor, expert_idx_TK: Tensor, *, num_experts: int, backend: str = "auto", num_rows: int | None = None
 ) -> tuple[Tensor, PermuteInfo]:
     """Rows of x repeated per kept slot and sorted by expert: (M, D) and the `PermuteInfo`.
 
     Slots with expert -1 (dropped) are skipped. ``backend``: "triton" (`triton_permute`),
     "torch" (indexing and autograd), or "auto" (triton on CUDA). Two host syncs (the range of
-    expert_idx, and M).
+    expert_idx, and M), none when M is given as ``num_rows`` (see `sort_slots`).
     """
     if not isinstance(x_TD, Tensor) or x_TD.dim() != 2:
         raise ValueError(f"x must be a (T, D) tensor, got {getattr(x_TD, 'shape', type(x_TD).__name__)}")
@@ -172,7 +182,7 @@ def permute(
     if idx.device != x_TD.device:
         raise ValueError(f"x and expert_idx must be on one device, got {x_TD.device} and {idx.device}")
     backend = _resolve(backend, x_TD)
-    info = sort_slots(idx, num_experts=num_experts)
+    info = sort_slots(idx, num_experts=num_experts, num_rows=num_rows)
     return permute_rows(x_TD, info, backend=backend), info
 
 

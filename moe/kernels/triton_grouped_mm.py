@@ -147,7 +147,8 @@ def _blocks(dtype: torch.dtype) -> tuple[int, int, int]:
 
 def _schedule(counts_E: Tensor, bm: int) -> tuple[Tensor, Tensor, Tensor]:
     """Row tiles of at most BM rows that never straddle two experts: expert, first row, and
-    each expert's end row."""
+    each expert's end row, on the counts' device (the grid size needs the number of tiles on
+    the host: a sync unless the counts are there already)."""
     ends = torch.cumsum(counts_E, 0)
     starts = ends - counts_E
     tiles = (counts_E + bm - 1) // bm
@@ -184,7 +185,7 @@ def triton_forward(
     if m == 0 or n == 0:
         return y.to(out_dtype)
     bm, bn, bk = _blocks(x_MI.dtype)
-    tile_expert, tile_row, row_end = _schedule(counts_E, bm)
+    tile_expert, tile_row, row_end = (t.to(x_MI.device, non_blocking=True) for t in _schedule(counts_E, bm))
     grid = (tile_expert.numel(), triton.cdiv(n, bn))
     dummy = tile_row  # pointer arguments a disabled fusion never reads
     _fwd_kernel[grid](
@@ -214,7 +215,7 @@ def triton_wgrad(
     x_MI, dy_MN = x_MI.contiguous(), dy_MN.contiguous()
     e, i, n = counts_E.numel(), x_MI.shape[1], dy_MN.shape[1]
     dw = torch.empty(e, i, n, device=x_MI.device, dtype=torch.float32 if _INTERPRET else x_MI.dtype)
-    offs = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)]).to(torch.int32)
+    offs = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)]).to(x_MI.device, torch.int32, non_blocking=True)
     bm, bn, bk = _blocks(x_MI.dtype)
     grid = (e, triton.cdiv(i, bk), triton.cdiv(n, bn))
     _wgrad_kernel[grid](

@@ -125,7 +125,8 @@ def dispatch(
     strategy: str = "auto",
 ) -> tuple[Tensor, Tensor, DispatchInfo]:
     """Rows sorted by `send_key` on this rank -> rows of this rank's experts, sorted by local
-    expert: returns x_local (M', D), local counts (El,), and the info `combine` needs.
+    expert: returns x_local (M', D), local counts (El,) on the host (`moe.kernels.grouped_mm`
+    then reads them without a sync), and the info `combine` needs.
 
     ``counts_E``: rows per key (E,), as `moe.kernels.permute` returns them for the sorted keys.
     ``known_counts``: the (E,) rows per global expert when every rank of the group is known to
@@ -154,8 +155,7 @@ def dispatch(
         dist.all_to_all_single(recv_WE, send_WE, group=group)
         send, recv = send_WE.tolist(), recv_WE.tolist()  # host sync: the sizes
         raise_if_peers_failed([min(row) for row in recv], group, "dispatch")
-    counts_local = torch.tensor([sum(col) for col in zip(*recv, strict=True)], dtype=torch.int64)
-    counts_local = counts_local.to(x_MD.device, non_blocking=True)
+    counts_local = torch.tensor([sum(col) for col in zip(*recv, strict=True)], dtype=torch.int64)  # on the host
     if strategy == "per_expert":
         x_local = _ExpertBlocks.apply(x_MD, _transpose(send), _transpose(recv), group)
         return x_local, counts_local, DispatchInfo(strategy, send, recv, None, group)

@@ -114,6 +114,7 @@ def test_backends_agree_and_compile_without_graph_breaks():
         ({"counts": torch.tensor([10, 10, 10])}, "counts must have one entry"),
         ({"counts": torch.tensor([10, 10, 5, 4])}, "sum to the M"),
         ({"counts": torch.tensor([10.0, 10, 5, 5])}, "integer"),
+        ({"counts": torch.tensor([10, 10, 5, 5], device="meta")}, "on the CPU"),
         ({"x": torch.randn(30, 15)}, "inner dim"),
         ({"w": torch.randn(4, 16, 8, dtype=torch.float64)}, "dtype"),
         ({"w": torch.randn(0, 16, 8), "counts": torch.zeros(0, dtype=torch.int64)}, "at least one expert"),

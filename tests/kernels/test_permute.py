@@ -5,7 +5,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe.kernels import permute, permute_ref, unpermute, unpermute_ref
+from moe.kernels import permute, permute_ref, sort_slots, unpermute, unpermute_ref
+
+from ..host_reads import HostReads
 
 
 def routing(t, e, k, seed, drop=0.2):
@@ -31,6 +33,32 @@ def test_matches_reference_exactly(t, e, k, seed):
     assert torch.equal(info.offsets, torch.cat([torch.zeros(1, dtype=torch.int64), ref_counts.cumsum(0)]))
     y = torch.randn(xs.shape[0], 5)
     torch.testing.assert_close(unpermute(y, info, weights), unpermute_ref(y, info.slot, weights))
+
+
+@given(st.integers(0, 30), st.integers(1, 9), st.integers(1, 3), st.integers(0, 10**6))
+def test_known_row_count_gives_the_same_info_without_host_reads(t, e, k, seed):
+    k = min(k, e)
+    idx, _ = routing(t, e, k, seed)
+    want, kept = sort_slots(idx, num_experts=e), int((idx >= 0).sum())
+    with HostReads(idx) as seen:
+        got = sort_slots(idx, num_experts=e, num_rows=kept)
+    assert seen.reads == []
+    for name in ("slot", "token", "counts", "offsets", "row_of_slot"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with HostReads(idx) as seen:
+        sort_slots(idx, num_experts=e)
+    assert seen.reads or idx.numel() == 0  # without num_rows the range and M are read back
+
+
+def test_known_row_count_is_checked():
+    idx = torch.tensor([[0, 1], [2, -1]])
+    with pytest.raises(RuntimeError, match="num_rows = 4"):
+        sort_slots(idx, num_experts=3, num_rows=4)
+    with pytest.raises(RuntimeError, match=r"\[-1, 2\)"):
+        sort_slots(idx, num_experts=2, num_rows=3)
+    for bad in (5, -1, 2.0):
+        with pytest.raises(ValueError, match="num_rows"):
+            sort_slots(idx, num_experts=3, num_rows=bad)
 
 
 @given(st.integers(1, 30), st.integers(1, 9), st.integers(1, 3), st.integers(0, 10**6))
