@@ -76,7 +76,8 @@ class MoE(nn.Module):
             y_TD = self.experts.forward_fused(x_in, info, gates)
         else:
             keys = res.expert_idx if par is None else par.sort_key(res.expert_idx)  # the order rows are sent in
-            xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend)
+            rows = par.known_rows(self, res) if par is not None else None
+            xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend, num_rows=rows)
             ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
             gates = res.weights.to(ys.dtype)
             y_TD = unpermute(ys, info, gates, backend=cfg.backend)

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..layer import MoE
-from ..routing import BaseRouter, TopKRouter, balanced_assignment, expert_capacities
+from ..routing import BaseRouter, TopKRouter, balanced_assignment, balanced_assignment_approx, capacity_list
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
 from .dispatch import STRATEGIES, PeerFailedError, combine, dispatch, raise_if_peers_failed, resolve_strategy, send_key
 
@@ -121,15 +121,20 @@ class ExpertParallel:
             self.static_splits
             and isinstance(router, BaseRouter)
             and router.training
-            and router.assign is balanced_assignment
+            and router.assign in (balanced_assignment, balanced_assignment_approx)
         )
+
+    def known_rows(self, layer: MoE, routing) -> int | None:
+        """The number of rows the layer sends when it is known without reading the routing
+        (the static path: BASE keeps every slot), else None."""
+        return routing.expert_idx.numel() if self._static(layer.router) else None
 
     def run_experts(self, layer: MoE, xs_MD: Tensor, counts_E: Tensor, routing) -> Tensor:
         """Expert-sorted rows of the routed tokens -> the experts' outputs, in the same order."""
         known = None
         if self._static(layer.router):
             num_tokens, k = routing.expert_idx.shape
-            known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()
+            known = capacity_list(num_tokens, layer.config.num_experts, k)
             expected = torch.tensor(self._send_order(known), device=counts_E.device)
             torch._assert_async((counts_E == expected).all())  # the promise, checked without a host sync
         x_local, counts_local, info = dispatch(

@@ -3,7 +3,14 @@
 This subpackage imports nothing else of ``moe`` and can be used and benchmarked on its own.
 """
 
-from .balanced import assignment_score, balanced_assignment, balanced_assignment_ref, expert_capacities
+from .balanced import (
+    assignment_score,
+    balanced_assignment,
+    balanced_assignment_approx,
+    balanced_assignment_ref,
+    capacity_list,
+    expert_capacities,
+)
 from .base import BaseRouter
 from .config import ROUTER_KINDS, RouterConfig
 from .expert_choice import ExpertChoiceRouter
@@ -23,8 +30,10 @@ __all__ = [
     "TopKRouter",
     "assignment_score",
     "balanced_assignment",
+    "balanced_assignment_approx",
     "balanced_assignment_ref",
     "build_router",
+    "capacity_list",
     "expert_capacities",
     "load_balancing_loss",
     "router_z_loss",

@@ -21,10 +21,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .common import drop_by_score
+from .common import bincount, drop_by_score
 from .exchange import cancel_cycles, fill_passes, held_mask
 
-__all__ = ["balanced_assignment", "balanced_assignment_ref", "expert_capacities", "assignment_score"]
+__all__ = [
+    "balanced_assignment",
+    "balanced_assignment_approx",
+    "balanced_assignment_ref",
+    "capacity_list",
+    "expert_capacities",
+    "assignment_score",
+]
 
 _NEG = -1.0e4  # stand-in score for a forbidden (token, expert) pair after normalisation to [-1, 0]
 
@@ -35,14 +42,17 @@ def expert_capacities(num_tokens: int, num_experts: int, k: int = 1, *, device=N
     ``T*K`` slots are split as evenly as possible; when ``T*K % E = r > 0`` the experts with the
     lowest indices, ``0 .. r-1``, receive one slot more than the others.
     """
+    return torch.tensor(capacity_list(num_tokens, num_experts, k), dtype=torch.int64, device=device)
+
+
+def capacity_list(num_tokens: int, num_experts: int, k: int = 1) -> list[int]:
+    """`expert_capacities` as a list of ints, made on the host."""
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if num_tokens < 0 or k < 1:
         raise ValueError(f"num_tokens must be >= 0 and k >= 1, got num_tokens={num_tokens}, k={k}")
     base, extra = divmod(num_tokens * k, num_experts)
-    caps = torch.full((num_experts,), base, dtype=torch.int64, device=device)
-    caps[:extra] += 1
-    return caps
+    return [base + 1] * extra + [base] * (num_experts - extra)
 
 
 def assignment_score(scores_TE: Tensor, expert_idx_TK: Tensor) -> Tensor:
@@ -100,16 +110,36 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
         scale = float((hi - lo).amax())
-    num_tokens, num_experts = scores.shape
     s = x.T.to(dtype, memory_format=torch.contiguous_format, copy=True)
     s.sub_(hi)
     if scale > 0:
         s.div_(scale)
-    if jitter > 0:  # frac(t * phi + e * psi): a fixed low-discrepancy pattern in [0, 1)
-        u = (torch.arange(num_tokens, device=s.device, dtype=torch.float64) * 0.6180339887498949).frac()
-        v = (torch.arange(num_experts, device=s.device, dtype=torch.float64) * 0.7548776662466927).frac()
-        s.add_((u.to(dtype) + v.to(dtype)[:, None]).frac_(), alpha=jitter)
-    return s
+    return _add_jitter(s, jitter)
+
+
+def _normalise_nosync(scores: Tensor, jitter: float) -> Tensor:
+    """`_normalise` without a host sync: the input is always divided by its largest magnitude
+    first, and the scale stays on the device. Nothing is checked: NaN counts as the lowest
+    score and +-Inf as the largest finite ones."""
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    big = torch.finfo(dtype).max
+    x = torch.nan_to_num(scores.to(dtype), nan=-big, posinf=big, neginf=-big)
+    x = x / x.abs().amax().clamp(min=torch.finfo(dtype).tiny)
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    scale = (hi - lo).amax()
+    s = (x.T - hi).div_(torch.where(scale > 0, scale, 1.0)).contiguous()
+    return _add_jitter(s, jitter)
+
+
+def _add_jitter(s_ET: Tensor, jitter: float) -> Tensor:
+    """``s += jitter * frac(t * phi + e * psi)``, in place: a fixed low-discrepancy pattern in
+    [0, jitter) that splits exact ties."""
+    if jitter > 0:
+        num_experts, num_tokens = s_ET.shape
+        u = (torch.arange(num_tokens, device=s_ET.device, dtype=torch.float64) * 0.6180339887498949).frac()
+        v = (torch.arange(num_experts, device=s_ET.device, dtype=torch.float64) * 0.7548776662466927).frac()
+        s_ET.add_((u.to(s_ET.dtype) + v.to(s_ET.dtype)[:, None]).frac_(), alpha=jitter)
+    return s_ET
 
 
 def _top_values(a_ET: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -210,7 +240,7 @@ def _row_quantiles(
     pos = torch.clamp(v, min=0.5 / scale - width, max=width, out=buf)
     pos = torch.add(row_base, pos, alpha=-scale, out=buf)  # bin 0 holds the largest values
     idx = pos.to(torch.int32) if work is None else work.idx.copy_(pos)
-    hist = torch.bincount(idx.view(-1), minlength=num_rows * bins).view(num_rows, bins)
+    hist = bincount(idx, num_rows * bins).view(num_rows, bins)
     cum = hist.cumsum(1)  # values in this bin or a higher one
     need = need[:, None]
     j = torch.searchsorted(cum, need).clamp_(max=bins - 1)  # the bin holding the need-th largest
@@ -225,14 +255,22 @@ _BINS_SPARSE = 256  # bins over the window [-width, width]
 
 
 def _jacobi_prices(
-    s_ET: Tensor, target_E: Tensor, k: int, iters: int, p: Tensor, work: _Work, omega: float = 0.7
+    s_ET: Tensor,
+    target_E: Tensor,
+    k: int,
+    iters: int,
+    p: Tensor,
+    work: _Work,
+    omega: float = 0.7,
+    width: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
     largest price move of the last update (a scalar tensor).
 
     Each update moves every expert's price to the value at which exactly ``target[e]`` (int64)
     tokens would pick it were the other prices fixed (the midpoint between two order statistics
-    of the margins, from a per-expert histogram), damped by ``omega``. No host sync.
+    of the margins, from a per-expert histogram over [-width, width]: a narrower window is
+    finer, and a larger move is clamped to it), damped by ``omega``. No host sync.
     """
     num_experts = s_ET.shape[0]
     last = s_ET.new_zeros(())
@@ -240,7 +278,7 @@ def _jacobi_prices(
     row_base = (rows * _BINS_DENSE + _BINS_DENSE / 2)[:, None]
     for _ in range(iters):
         d = _margins(work.shifted(s_ET, p), k, work)
-        q = _row_quantiles(d, row_base, target_E, 1.0, _BINS_DENSE, work)
+        q = _row_quantiles(d, row_base, target_E, width, _BINS_DENSE, work)
         step = omega * q
         p = p + step[:, None]
         last = step.abs().max()
@@ -303,7 +341,7 @@ def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
     """K = 1: each expert over capacity keeps its tokens with the largest margins (ties: lowest
     token index) and the others get -1. Only the tokens of such experts are ranked."""
     num_experts = cap_E.shape[0]
-    over = torch.bincount(idx_T, minlength=num_experts) > cap_E
+    over = bincount(idx_T, num_experts) > cap_E
     sub = torch.nonzero(over[idx_T]).flatten()
     if sub.numel() == 0:
         return idx_T
@@ -487,6 +525,56 @@ def balanced_assignment(
                 stacklevel=2,
             )
     return out
+
+
+_APPROX_WIDTHS = (1.0, 1.0, 0.25, 0.1, 0.05, 0.03)  # price-update windows of the sync-free solver
+
+
+def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int = 8, eps: float = 1e-6) -> Tensor:
+    """`balanced_assignment` without a single host sync, for K = 1: exact balance, near-optimal.
+
+    The same loads as `balanced_assignment` (``expert_capacities(T, E, 1)``), every shape fixed
+    by (T, E) and no value read back, so on CUDA the host never waits for the device (what the
+    expert-parallel static path needs: docs/parallel.md). The price is optimality: the prices
+    from ``max_iters`` damped Jacobi updates give the pick, three rounds of bids place the
+    dropped tokens with the best experts that still have room, and any left go to the remaining
+    room in token order. No exchange cycles, so no certificate: the gap to the optimum is
+    measured in docs/benchmarks.md. NaN and Inf are not detected here (that needs a sync; the
+    routers check their input): NaN counts as the lowest score, +-Inf as the largest finite
+    ones, and the result is still a balanced assignment.
+    """
+    _check(scores_TE, k)
+    _check_options(max_iters, None, eps)
+    if k != 1:
+        raise ValueError(f"balanced_assignment_approx supports k=1 only, got k={k}; use balanced_assignment")
+    num_tokens, num_experts = scores_TE.shape
+    device = scores_TE.device
+    if num_tokens == 0:
+        return torch.empty(0, 1, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        s = _normalise_nosync(scores_TE, jitter=eps / 2)
+        cap = expert_capacities(num_tokens, num_experts, 1, device=device)
+        work = _Work(s)
+        p = s.new_zeros(num_experts, 1)
+        for i in range(max_iters):  # ever finer windows as the prices settle (measured: half the gap of width 1)
+            p = _jacobi_prices(s, cap, 1, 1, p, work=work, width=_APPROX_WIDTHS[min(i, len(_APPROX_WIDTHS) - 1)])[0]
+        out = _select(s, p, 1, cap, work)[0][:, 0]
+        a = work.shifted(s, p)
+
+        def room(out: Tensor) -> Tensor:  # (E + 1,): free places per expert, then 0 for "none"
+            held = bincount(torch.where(out < 0, num_experts, out), num_experts + 1)
+            return torch.cat([cap, cap.new_zeros(1)]) - held
+
+        for _ in range(3):  # each dropped token bids for its best expert with room; experts keep the best bids
+            free = room(out)
+            best_val, best = torch.where(free[:num_experts, None] > 0, a, float("-inf")).max(dim=0)
+            bid = torch.where(out < 0, best, num_experts)
+            keep = drop_by_score(bid[:, None], best_val[:, None], num_experts + 1, free)[:, 0]
+            out = torch.where(keep & (out < 0), best, out)
+        short = out < 0
+        rank = torch.cumsum(short, 0) - 1  # place among the tokens still short
+        spare = torch.searchsorted(torch.cumsum(room(out)[:num_experts], 0), rank, right=True)
+        return torch.where(short, spare.clamp_(max=num_experts - 1), out)[:, None]
 
 
 def balanced_assignment_ref(scores_TE: Tensor, k: int = 1, *, eps: float = 1e-9) -> Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .balanced import balanced_assignment
-from .common import GatedRouter, check_seq_len, router_losses
+from .balanced import balanced_assignment, balanced_assignment_approx
+from .common import GatedRouter, bincount, check_seq_len, router_losses
 from .result import RoutingResult, routing_stats
 
 __all__ = ["BaseRouter"]
@@ -18,7 +18,8 @@ __all__ = ["BaseRouter"]
 class BaseRouter(GatedRouter):
     """Routes by token-centroid affinity s = x @ centroids.T (fp32).
 
-    Training: `balanced_assignment` on s, so every expert gets exactly its share of the tokens.
+    Training: `balanced_assignment` on s, so every expert gets exactly its share of the tokens
+    (`balanced_assignment_approx` with ``base_solver="approx"``: the same balance, no host sync).
     Eval (``module.eval()``): each token takes its K highest-affinity experts, as in the paper.
     The gate is sigmoid(s) at the chosen experts: the assignment itself has no gradient, the
     centroids learn through the gate. With K = 1 the layer's ``sigmoid_residual`` combine gives
@@ -29,7 +30,14 @@ class BaseRouter(GatedRouter):
         super().__init__(config)
         # the training assignment: (scores (T, E), k, max_iters=...) -> (T, K); replaced by
         # moe.parallel.parallelize_moe(global_base=True) to balance over the expert-parallel group
-        self.assign = balanced_assignment
+        self.assign = balanced_assignment if config.base_solver == "exact" else balanced_assignment_approx
+
+    @property
+    def host_syncs(self) -> bool:
+        """False while this router reads nothing back from the device: training with the
+        sync-free solver (``base_solver="approx"``). Its `RoutingResult` then has no stats
+        (plain floats would need a read) and its input is checked with ``torch._assert_async``."""
+        return not (self.training and self.assign is balanced_assignment_approx)
 
     def reset_parameters(self) -> None:
         # orthogonal centroids, small gain: distinct experts, gates start near sigmoid(0) = 0.5
@@ -42,17 +50,17 @@ class BaseRouter(GatedRouter):
         its balance is exact by construction).
         """
         cfg = self.config
-        logits_TE = self.logits(x_TD)  # (T, E) token-centroid affinities
+        logits_TE = self.logits(x_TD, host_check=self.host_syncs)  # (T, E) token-centroid affinities
         check_seq_len(cfg, seq_len, x_TD.shape[0])
         if self.training:
             idx_TK = self.assign(logits_TE.detach(), cfg.top_k, max_iters=cfg.base_max_iters)
         else:
             idx_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices
         weights_TK = torch.sigmoid(logits_TE.gather(1, idx_TK))
-        counts_E = torch.bincount(idx_TK.flatten(), minlength=cfg.num_experts)
+        counts_E = bincount(idx_TK, cfg.num_experts)
         probs_TE = logits_TE.softmax(dim=-1)
         aux_loss, z_loss = router_losses(cfg, logits_TE, probs_TE, idx_TK, seq_len)
-        stats = routing_stats(counts_E, idx_TK.numel(), 0, probs_TE)
+        stats = routing_stats(counts_E, idx_TK.numel(), 0, probs_TE) if self.host_syncs else None
         return RoutingResult(
             expert_idx=idx_TK, weights=weights_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )

@@ -11,7 +11,15 @@ from torch import Tensor, nn
 from .config import RouterConfig
 from .losses import load_balancing_loss, router_z_loss, sequence_load_balancing_loss
 
-__all__ = ["GatedRouter", "check_seq_len", "check_tokens", "drop_by_score", "gate_logits", "router_losses"]
+__all__ = [
+    "GatedRouter",
+    "bincount",
+    "check_seq_len",
+    "check_tokens",
+    "drop_by_score",
+    "gate_logits",
+    "router_losses",
+]
 
 
 def in_backward() -> bool:
@@ -20,17 +28,32 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def check_tokens(x_TD: Tensor, dim: int) -> None:
-    """Raise ValueError unless ``x_TD`` is a finite floating (T, D) tensor with D == ``dim``."""
+def bincount(x: Tensor, n: int) -> Tensor:
+    """``torch.bincount(x, minlength=n)`` (int64) for integer ``x`` in [0, n), without a host
+    sync: CUDA's bincount reads max(x) back to size its output; this adds ones into n bins
+    (as fast as bincount on CPU, measured)."""
+    flat = x.reshape(-1)
+    ones = torch.ones(1, dtype=torch.int64, device=x.device).expand(flat.numel())
+    return torch.zeros(n, dtype=torch.int64, device=x.device).index_add_(0, flat, ones)
+
+
+def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True) -> None:
+    """Raise ValueError unless ``x_TD`` is a finite floating (T, D) tensor with D == ``dim``.
+
+    ``host_check=False`` checks finiteness without a host sync (``torch._assert_async``: a
+    RuntimeError on CPU, a device-side assert on CUDA) for callers that promise none."""
     if not isinstance(x_TD, Tensor):
         raise ValueError(f"x must be a torch.Tensor of shape (T, D={dim}), got {type(x_TD).__name__}")
     if x_TD.dim() != 2 or x_TD.shape[1] != dim:
         raise ValueError(f"x must have shape (T, D={dim}), got {tuple(x_TD.shape)}")
     if not x_TD.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got dtype {x_TD.dtype}")
-    # host sync; a NaN would otherwise pass silently through topk and pick arbitrary experts
-    if x_TD.numel() and not bool(torch.isfinite(x_TD).all()):
-        raise ValueError(f"x must be finite: found NaN or Inf in a tensor of shape {tuple(x_TD.shape)}")
+    # a NaN would otherwise pass silently through topk and pick arbitrary experts
+    what = f"x must be finite: found NaN or Inf in a tensor of shape {tuple(x_TD.shape)}"
+    if not host_check:
+        torch._assert_async(torch.isfinite(x_TD).all(), what)
+    elif x_TD.numel() and not bool(torch.isfinite(x_TD).all()):  # host sync
+        raise ValueError(what)
 
 
 def check_seq_len(config: RouterConfig, seq_len: int | None, num_tokens: int) -> None:
@@ -83,7 +106,7 @@ def drop_by_score(expert_idx_TK: Tensor, score_TK: Tensor, num_experts: int, cap
     order = torch.sort(-score_TK.reshape(-1), stable=True).indices
     by_expert = torch.sort(e_N[order], stable=True)
     slot_sorted = order[by_expert.indices]
-    counts_E = torch.bincount(e_N, minlength=num_experts)
+    counts_E = bincount(e_N, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank = torch.arange(n, device=e_N.device) - start_E[by_expert.values]
     keep_N = torch.empty(n, dtype=torch.bool, device=e_N.device)
@@ -104,9 +127,9 @@ class GatedRouter(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)
 
-    def logits(self, x_TD: Tensor) -> Tensor:
-        """Checked input (T, D) -> fp32 logits (T, E)."""
-        check_tokens(x_TD, self.config.dim)
+    def logits(self, x_TD: Tensor, *, host_check: bool = True) -> Tensor:
+        """Checked input (T, D) -> fp32 logits (T, E) (``host_check``: see `check_tokens`)."""
+        check_tokens(x_TD, self.config.dim, host_check=host_check)
         return gate_logits(x_TD, self.weight)
 
     def extra_repr(self) -> str:

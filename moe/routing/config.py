@@ -38,6 +38,9 @@ class RouterConfig:
 
     # BASE balanced assignment
     base_max_iters: int = 6
+    # "exact": balanced_assignment (optimal, reads back its exchange cycles); "approx":
+    # balanced_assignment_approx (exact balance, near-optimal, no host sync; top_k = 1)
+    base_solver: Literal["exact", "approx"] = "exact"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -77,3 +80,11 @@ class RouterConfig:
         need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
         need(self.sinkhorn_temperature > 0, f"sinkhorn_temperature must be > 0, got {self.sinkhorn_temperature}")
         need(self.base_max_iters >= 0, f"base_max_iters must be >= 0, got {self.base_max_iters}")
+        need(
+            self.base_solver in ("exact", "approx"),
+            f"base_solver must be 'exact' or 'approx', got {self.base_solver!r}",
+        )
+        need(
+            self.base_solver == "exact" or self.top_k == 1,
+            f"base_solver='approx' supports top_k=1 only, got top_k={self.top_k}",
+        )

@@ -22,6 +22,7 @@ from moe.kernels import permute
 from moe.parallel import parallelize_moe, reduce_gradients
 from moe.routing import expert_capacities
 
+from ..host_reads import HostReads
 from .launch import init, spawn
 
 pytestmark = pytest.mark.distributed
@@ -30,6 +31,7 @@ a2a_module = importlib.import_module("moe.parallel.all_to_all")  # the module, n
 CASES = {
     "base": dict(router="base", top_k=1, combine="sigmoid_residual", num_shared_experts=1),
     "base-k2": dict(router="base", top_k=2),
+    "base-approx": dict(router="base", top_k=1, combine="sigmoid_residual", router_options={"base_solver": "approx"}),
     "topk": dict(router="topk", top_k=2, aux_loss_coef=0.01, z_loss_coef=1e-3, capacity_factor=1.0),
     "topk-bias": dict(router="topk", top_k=2, router_options={"score_func": "sigmoid", "bias_update_rate": 0.01}),
     "sinkhorn": dict(router="sinkhorn", top_k=1, aux_loss_coef=0.01),
@@ -113,7 +115,7 @@ def counting_all_to_all():
 def check_static_splits(mesh) -> None:
     """BASE with static splits: the count exchange (the one int64 all-to-all) is gone, the rows
     move as before, the numbers are the same."""
-    for case, n in (("base-k2", 6), ("base", 5)):  # 5 tokens on 4 experts: uneven loads
+    for case, n in (("base-k2", 6), ("base", 5), ("base-approx", 5)):  # 5 tokens on 4 experts: uneven loads
         x = tokens_of(case, dist.get_rank(), n)
         outputs, calls = {}, {}
         for static in (False, True):
@@ -124,6 +126,17 @@ def check_static_splits(mesh) -> None:
         assert [d for d in calls[False] if d != torch.int64] == calls[True], calls
         torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=0)
         check_layer(case, mesh, [n] * dist.get_world_size(), static_splits=True)
+
+
+def check_static_path_reads_nothing(mesh) -> None:
+    """The static path with the sync-free solver reads no value back on the host, forward and
+    backward; the counted path and the exact solver do (so the check can see reads)."""
+    x = tokens_of("base-approx", dist.get_rank(), 6).requires_grad_()
+    for case, static, silent in (("base-approx", True, True), ("base-approx", False, False), ("base", True, False)):
+        layer = parallelize_moe(build(case), mesh, static_splits=static)
+        with HostReads(x, *layer.parameters()) as seen:
+            (layer(x) * torch.linspace(-1, 1, 8)).sum().backward()
+        assert (seen.reads == []) == silent, (case, static, seen.reads)
 
 
 def check_global_base(mesh, tokens: list[int]) -> None:
@@ -163,6 +176,7 @@ def worker_ep2(rank: int, world: int, store: str) -> None:
                 check_layer(case, mesh, tokens)  # "auto": per_expert on CPU
             check_layer(case, mesh, [7, 3], dispatch_strategy="resort")
         check_static_splits(mesh)
+        check_static_path_reads_nothing(mesh)
         check_global_base(mesh, [7, 3])
         check_disagreement(mesh)
         check_bad_arguments(mesh)

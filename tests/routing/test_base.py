@@ -15,6 +15,8 @@ from moe.routing import (
     router_z_loss,
 )
 
+from ..host_reads import HostReads
+
 
 def make(dim=12, experts=5, k=1, **kw):
     torch.manual_seed(0)
@@ -71,6 +73,25 @@ def test_z_loss_and_build_router():
     res = router(x)
     torch.testing.assert_close(res.z_loss, 0.1 * router_z_loss(x @ router.weight.detach().T))
     assert res.aux_loss.item() == 0.0
+
+
+def test_approx_solver_trains_balanced_without_host_reads():
+    router = make(experts=4, base_solver="approx")
+    x = torch.randn(37, 12)
+    with HostReads(x, router.weight) as seen:
+        res = router(x)
+        res.weights.sum().backward()
+    assert seen.reads == [] and res.stats is None  # stats are plain floats: they would need a read
+    assert torch.equal(res.counts, expert_capacities(37, 4, 1))
+    assert router.weight.grad is not None
+    with pytest.raises(RuntimeError, match="finite"):  # checked on the device
+        router(torch.full((4, 12), float("nan")))
+    router.eval()
+    assert router(x).stats is not None and router.host_syncs
+    with pytest.raises(ValueError, match="top_k=1 only"):
+        make(experts=4, k=2, base_solver="approx")
+    with pytest.raises(ValueError, match="base_solver"):
+        make(base_solver="auction")
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
