@@ -53,7 +53,8 @@ class BaseRouter(GatedRouter):
         logits_TE = self.logits(x_TD, host_check=self.host_syncs)  # (T, E) token-centroid affinities
         check_seq_len(cfg, seq_len, x_TD.shape[0])
         if self.training:
-            idx_TK = self.assign(logits_TE.detach(), cfg.top_k, max_iters=cfg.base_max_iters)
+            options = {} if cfg.base_max_iters is None else {"max_iters": cfg.base_max_iters}
+            idx_TK = self.assign(logits_TE.detach(), cfg.top_k, **options)
         else:
             idx_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices
         weights_TK = torch.sigmoid(logits_TE.gather(1, idx_TK))

@@ -37,7 +37,7 @@ class RouterConfig:
     sinkhorn_temperature: float = 1.0
 
     # BASE balanced assignment
-    base_max_iters: int = 6
+    base_max_iters: int | None = None  # price updates; None: the solver's own default
     # "exact": balanced_assignment (optimal, reads back its exchange cycles); "approx":
     # balanced_assignment_approx (exact balance, near-optimal, no host sync; top_k = 1)
     base_solver: Literal["exact", "approx"] = "exact"
@@ -79,7 +79,10 @@ class RouterConfig:
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
         need(self.sinkhorn_temperature > 0, f"sinkhorn_temperature must be > 0, got {self.sinkhorn_temperature}")
-        need(self.base_max_iters >= 0, f"base_max_iters must be >= 0, got {self.base_max_iters}")
+        need(
+            self.base_max_iters is None or self.base_max_iters >= 0,
+            f"base_max_iters must be None or >= 0, got {self.base_max_iters}",
+        )
         need(
             self.base_solver in ("exact", "approx"),
             f"base_solver must be 'exact' or 'approx', got {self.base_solver!r}",

@@ -94,6 +94,19 @@ def test_approx_solver_trains_balanced_without_host_reads():
         make(base_solver="auction")
 
 
+def test_price_updates_reach_the_solver():
+    for iters, passed in ((None, {}), (3, {"max_iters": 3})):  # None: each solver's own default
+        router, seen = make(base_max_iters=iters), []
+        solver = router.assign
+        router.assign = lambda s, k, seen=seen, solver=solver, **options: (
+            seen.append(options) or solver(s, k, **options)
+        )
+        router(torch.randn(9, 12))
+        assert seen == [passed]
+    with pytest.raises(ValueError, match="base_max_iters"):
+        make(base_max_iters=-1)
+
+
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_bad_input_raises(mode):
     router = make()
