@@ -40,19 +40,26 @@ def expert_capacities(num_tokens: int, num_experts: int, k: int = 1, *, device=N
     """Tokens per expert under exact balance: (E,) int64.
 
     ``T*K`` slots are split as evenly as possible; when ``T*K % E = r > 0`` the experts with the
-    lowest indices, ``0 .. r-1``, receive one slot more than the others.
+    lowest indices, ``0 .. r-1``, receive one slot more than the others. Made on the device (a
+    tensor built from a host list would be a blocking copy on CUDA).
     """
-    return torch.tensor(capacity_list(num_tokens, num_experts, k), dtype=torch.int64, device=device)
+    base, extra = _split(num_tokens, num_experts, k)
+    caps = torch.full((num_experts,), base, dtype=torch.int64, device=device)
+    return caps + (torch.arange(num_experts, device=device) < extra)
 
 
 def capacity_list(num_tokens: int, num_experts: int, k: int = 1) -> list[int]:
     """`expert_capacities` as a list of ints, made on the host."""
+    base, extra = _split(num_tokens, num_experts, k)
+    return [base + 1] * extra + [base] * (num_experts - extra)
+
+
+def _split(num_tokens: int, num_experts: int, k: int) -> tuple[int, int]:
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if num_tokens < 0 or k < 1:
         raise ValueError(f"num_tokens must be >= 0 and k >= 1, got num_tokens={num_tokens}, k={k}")
-    base, extra = divmod(num_tokens * k, num_experts)
-    return [base + 1] * extra + [base] * (num_experts - extra)
+    return divmod(num_tokens * k, num_experts)
 
 
 def assignment_score(scores_TE: Tensor, expert_idx_TK: Tensor) -> Tensor:
@@ -530,51 +537,103 @@ def balanced_assignment(
 _APPROX_WIDTHS = (1.0, 1.0, 0.25, 0.1, 0.05, 0.03)  # price-update windows of the sync-free solver
 
 
-def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int = 8, eps: float = 1e-6) -> Tensor:
-    """`balanced_assignment` without a single host sync, for K = 1: exact balance, near-optimal.
+def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int = 12, eps: float = 1e-6) -> Tensor:
+    """`balanced_assignment` without a single host sync: exact balance, near-optimal.
 
-    The same loads as `balanced_assignment` (``expert_capacities(T, E, 1)``), every shape fixed
-    by (T, E) and no value read back, so on CUDA the host never waits for the device (what the
-    expert-parallel static path needs: docs/parallel.md). The price is optimality: the prices
-    from ``max_iters`` damped Jacobi updates give the pick, three rounds of bids place the
-    dropped tokens with the best experts that still have room, and any left go to the remaining
-    room in token order. No exchange cycles, so no certificate: the gap to the optimum is
-    measured in docs/benchmarks.md. NaN and Inf are not detected here (that needs a sync; the
-    routers check their input): NaN counts as the lowest score, +-Inf as the largest finite
-    ones, and the result is still a balanced assignment.
+    The same loads as `balanced_assignment` (``expert_capacities(T, E, k)``) and K distinct
+    experts per token, with every shape fixed by (T, E, K) and no value read back, so on CUDA the
+    host never waits for the device (what the expert-parallel static path needs:
+    docs/parallel.md). The price is optimality: the prices from ``max_iters`` damped Jacobi
+    updates give the pick, rounds of bids place the dropped slots with the best experts that
+    still have room, and `_complete` places the rest. No exchange cycles, so no certificate: the
+    gap to the optimum is measured in docs/benchmarks.md. NaN and Inf are not detected here
+    (that needs a sync; the routers check their input): NaN counts as the lowest score, +-Inf
+    as the largest finite ones, and the result is still a balanced assignment.
     """
     _check(scores_TE, k)
     _check_options(max_iters, None, eps)
-    if k != 1:
-        raise ValueError(f"balanced_assignment_approx supports k=1 only, got k={k}; use balanced_assignment")
     num_tokens, num_experts = scores_TE.shape
     device = scores_TE.device
     if num_tokens == 0:
-        return torch.empty(0, 1, dtype=torch.int64, device=device)
+        return torch.empty(0, k, dtype=torch.int64, device=device)
+    if k == num_experts:  # every token takes every expert
+        return torch.arange(k, device=device).expand(num_tokens, k).clone()
     with torch.no_grad():
         s = _normalise_nosync(scores_TE, jitter=eps / 2)
-        cap = expert_capacities(num_tokens, num_experts, 1, device=device)
+        cap = expert_capacities(num_tokens, num_experts, k, device=device)
         work = _Work(s)
         p = s.new_zeros(num_experts, 1)
         for i in range(max_iters):  # ever finer windows as the prices settle (measured: half the gap of width 1)
-            p = _jacobi_prices(s, cap, 1, 1, p, work=work, width=_APPROX_WIDTHS[min(i, len(_APPROX_WIDTHS) - 1)])[0]
-        out = _select(s, p, 1, cap, work)[0][:, 0]
-        a = work.shifted(s, p)
+            p = _jacobi_prices(s, cap, k, 1, p, work=work, width=_APPROX_WIDTHS[min(i, len(_APPROX_WIDTHS) - 1)])[0]
+        out, margin = _select(s, p, k, cap, work)
+        out = _bids(work.shifted(s, p), out, cap, rounds=k + 2)
+        return _complete(out, cap, margin)[0]
 
-        def room(out: Tensor) -> Tensor:  # (E + 1,): free places per expert, then 0 for "none"
-            held = bincount(torch.where(out < 0, num_experts, out), num_experts + 1)
-            return torch.cat([cap, cap.new_zeros(1)]) - held
 
-        for _ in range(3):  # each dropped token bids for its best expert with room; experts keep the best bids
-            free = room(out)
-            best_val, best = torch.where(free[:num_experts, None] > 0, a, float("-inf")).max(dim=0)
-            bid = torch.where(out < 0, best, num_experts)
-            keep = drop_by_score(bid[:, None], best_val[:, None], num_experts + 1, free)[:, 0]
-            out = torch.where(keep & (out < 0), best, out)
-        short = out < 0
-        rank = torch.cumsum(short, 0) - 1  # place among the tokens still short
-        spare = torch.searchsorted(torch.cumsum(room(out)[:num_experts], 0), rank, right=True)
-        return torch.where(short, spare.clamp_(max=num_experts - 1), out)[:, None]
+def _loads(out_TK: Tensor, num_experts: int) -> Tensor:
+    """(E,) slots each expert holds (-1 slots hold none), without a host sync."""
+    return bincount(torch.where(out_TK < 0, num_experts, out_TK), num_experts + 1)[:num_experts]
+
+
+def _bids(a_ET: Tensor, out_TK: Tensor, cap_E: Tensor, rounds: int) -> Tensor:
+    """``rounds`` rounds in which every token with an empty slot bids for its best expert under
+    ``a`` (score minus price) that has room and that it does not hold; each expert keeps its best
+    bids up to its room (ties: lowest token index), and a winner fills its first empty slot.
+    Fixed shapes, no host sync; returns the new (T, K) assignment."""
+    num_experts, num_tokens = a_ET.shape
+    tokens = torch.arange(num_tokens, device=a_ET.device)
+    out = out_TK.clone()
+    none = cap_E.new_zeros(1)
+    for _ in range(rounds):
+        room = cap_E - _loads(out, num_experts)
+        open_ET = ~held_mask(out, num_experts) & (room[:, None] > 0)
+        val, best = torch.where(open_ET, a_ET, float("-inf")).max(dim=0)
+        bidding = (out < 0).any(dim=1) & (val > float("-inf"))
+        bid = torch.where(bidding, best, num_experts)
+        won = drop_by_score(bid[:, None], val[:, None], num_experts + 1, torch.cat([room, none]))[:, 0] & bidding
+        slot = (out < 0).to(torch.uint8).argmax(dim=1)  # the first empty slot
+        out[tokens, slot] = torch.where(won, best, out[tokens, slot])
+    return out
+
+
+def _complete(out_TK: Tensor, cap_E: Tensor, margin_T: Tensor) -> tuple[Tensor, Tensor]:
+    """Fill every empty slot with fixed shapes and no host sync, keeping exact balance and
+    distinct experts.
+
+    Every token with an empty slot gives up all its slots (set S, n tokens), so the free places
+    R[e] sum to n * K. Listed by expert, the free places go out column by column over the S
+    tokens in index order: place i to token i mod n. A token's places are n apart, so it gets
+    distinct experts whenever no expert has more than n free places. An expert with R[e] > n
+    needs more tokens: the ``max(R - n)`` complete tokens with the smallest margins that hold no
+    such expert give up their slots too, which keeps every other expert within bounds (docs/
+    routing.md). Should too few such tokens exist, the result is the round robin (balanced,
+    distinct, score-blind); the check runs on the device. Returns the assignment and that
+    check's flag (a bool tensor: False when the round robin was used)."""
+    num_tokens, k = out_TK.shape
+    num_experts = cap_E.shape[0]
+    device = out_TK.device
+    short = (out_TK < 0).any(dim=1)
+    out = torch.where(short[:, None], -1, out_TK)
+    over = cap_E - _loads(out, num_experts) - short.sum()  # free places beyond n
+    need = over.clamp(min=0).max()
+    eligible = ~short & ~(held_mask(out, num_experts) & (over > 0)[:, None]).any(dim=0)
+    order = torch.sort(torch.where(eligible, margin_T, float("inf")), stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(num_tokens, device=device))
+    give_up = short | (eligible & (rank < need))
+    out = torch.where(give_up[:, None], -1, out)
+    n = give_up.sum()
+    members = torch.sort((~give_up).to(torch.uint8), stable=True).indices  # the S tokens first, by index
+    place = torch.arange(num_tokens * k, device=device)
+    expert = torch.searchsorted(torch.cumsum(cap_E - _loads(out, num_experts), 0), place, right=True)
+    per = n.clamp(min=1)
+    target = torch.where(place < n * k, members[place % per] * k + place // per, num_tokens * k)  # the end: unused
+    flat = torch.cat([out.reshape(-1), out.new_full((1,), -1)])
+    flat.scatter_(0, target, expert.clamp_(max=num_experts - 1))
+    out = flat[:-1].view(num_tokens, k)
+    ok = (eligible.sum() >= need) & (_loads(out, num_experts) == cap_E).all() & (out >= 0).all()
+    if k > 1:
+        ok &= (out.sort(dim=1).values.diff(dim=1) != 0).all()
+    return torch.where(ok, out, _round_robin(num_tokens, num_experts, k, device)), ok
 
 
 def balanced_assignment_ref(scores_TE: Tensor, k: int = 1, *, eps: float = 1e-9) -> Tensor:

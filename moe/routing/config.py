@@ -39,7 +39,7 @@ class RouterConfig:
     # BASE balanced assignment
     base_max_iters: int | None = None  # price updates; None: the solver's own default
     # "exact": balanced_assignment (optimal, reads back its exchange cycles); "approx":
-    # balanced_assignment_approx (exact balance, near-optimal, no host sync; top_k = 1)
+    # balanced_assignment_approx (exact balance, near-optimal, no host sync)
     base_solver: Literal["exact", "approx"] = "exact"
 
     def __post_init__(self) -> None:
@@ -86,8 +86,4 @@ class RouterConfig:
         need(
             self.base_solver in ("exact", "approx"),
             f"base_solver must be 'exact' or 'approx', got {self.base_solver!r}",
-        )
-        need(
-            self.base_solver == "exact" or self.top_k == 1,
-            f"base_solver='approx' supports top_k=1 only, got top_k={self.top_k}",
         )

@@ -1,34 +1,34 @@
-"""The sync-free balanced assignment: exact balance for every input, near-optimal, and not one
-value read back on the host."""
+"""The sync-free balanced assignment: exact balance and distinct experts for every input,
+near-optimal, and not one value read back on the host."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe.routing import assignment_score, balanced_assignment, balanced_assignment_approx
+from moe.routing import assignment_score, balanced_assignment, balanced_assignment_approx, expert_capacities
+from moe.routing.balanced import _complete, _round_robin
 
 from ..host_reads import HostReads
-from .test_balanced import DTYPES, KINDS, check_feasible, greedy_with_capacity, make_scores
+from .test_balanced import check_feasible, greedy_with_capacity, make_scores, problems
 
 
-@given(
-    st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(1, 9), st.sampled_from(KINDS), st.sampled_from(DTYPES)
-)
-def test_exactly_balanced_and_reads_nothing(seed, t, e, kind, dtype):
-    scores = make_scores(seed, t, e, kind, dtype)
+@given(problems())
+def test_exactly_balanced_and_reads_nothing(problem):
+    scores, k = problem
     with HostReads(scores) as seen:
-        idx = balanced_assignment_approx(scores)
+        idx = balanced_assignment_approx(scores, k)
     assert seen.reads == []
-    check_feasible(idx, t, e, 1)
+    check_feasible(idx, *scores.shape, k)
 
 
-@pytest.mark.parametrize("kind", ["gauss", "one_expert"])
-def test_near_the_optimum_and_above_greedy(kind):
+@pytest.mark.parametrize("kind, k", [("gauss", 1), ("one_expert", 1), ("gauss", 3), ("one_expert", 2)])
+def test_near_the_optimum(kind, k):
     scores = make_scores(3, 1024, 16, kind, torch.float32)
-    best = float(assignment_score(scores, balanced_assignment(scores)))
-    got = float(assignment_score(scores, balanced_assignment_approx(scores)))
-    assert got >= greedy_with_capacity(scores)
+    best = float(assignment_score(scores, balanced_assignment(scores, k)))
+    got = float(assignment_score(scores, balanced_assignment_approx(scores, k)))
+    if k == 1:
+        assert got >= greedy_with_capacity(scores)
     assert best - got <= 0.01 * abs(best), (best, got)
 
 
@@ -42,24 +42,54 @@ def test_balanced_strict_argmax_is_kept(seed, e, per_expert):
     assert torch.equal(balanced_assignment_approx(scores)[:, 0], target)
 
 
+@given(st.integers(0, 2**31 - 1), st.integers(1, 30), st.integers(1, 9), st.floats(0.0, 1.0))
+def test_completion_of_any_partial_assignment(seed, t, e, drop):
+    """Whatever slots are empty, the completion is balanced with distinct experts, without
+    falling back to the round robin."""
+    g = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(1, e + 1, (), generator=g))
+    full = balanced_assignment(torch.randn(t, e, generator=g) * torch.rand(e, generator=g) * 5, k)
+    part = torch.where(torch.rand(t, k, generator=g) < drop, -1, full)
+    with HostReads(part) as seen:
+        out, ok = _complete(part, expert_capacities(t, e, k), torch.rand(t, generator=g))
+    assert seen.reads == [] and bool(ok)
+    check_feasible(out, t, e, k)
+    complete = (part >= 0).all(dim=1)
+    kept = complete & (out.sort(dim=1).values == part.sort(dim=1).values).all(dim=1)
+    cap = expert_capacities(t, e, k)
+    assert int(kept.sum()) >= int(complete.sum()) - int(cap.max())  # at most max(R - n) <= max cap give up
+
+
+def test_completion_when_every_open_expert_is_held():
+    # token 0 holds expert 0 and needs one more; only expert 0 has room: token 2 (smallest
+    # margin among those without expert 0) gives up its slots, token 1 keeps its own
+    part = torch.tensor([[0, -1], [1, 2], [1, 2]])
+    out, ok = _complete(part, expert_capacities(3, 3, 2), torch.tensor([0.0, 0.5, 0.1]))
+    check_feasible(out, 3, 3, 2)
+    assert bool(ok) and out[1].tolist() == [1, 2]
+    assert not torch.equal(out, _round_robin(3, 3, 2, "cpu"))
+
+
 def test_nan_input_still_gives_a_balanced_assignment():
     scores = torch.randn(50, 4)
     scores[3, 1] = float("nan")
     scores[7] = float("inf")
     check_feasible(balanced_assignment_approx(scores), 50, 4, 1)
+    check_feasible(balanced_assignment_approx(scores, 2), 50, 4, 2)
 
 
-def test_deterministic_and_empty():
+def test_deterministic_and_edge_sizes():
     scores = torch.randn(500, 8)
-    assert torch.equal(balanced_assignment_approx(scores), balanced_assignment_approx(scores.clone()))
-    assert balanced_assignment_approx(torch.zeros(0, 3)).shape == (0, 1)
+    assert torch.equal(balanced_assignment_approx(scores, 2), balanced_assignment_approx(scores.clone(), 2))
+    assert balanced_assignment_approx(torch.zeros(0, 3), 2).shape == (0, 2)
+    check_feasible(balanced_assignment_approx(torch.randn(5, 3), 3), 5, 3, 3)
 
 
 @pytest.mark.parametrize(
     "scores, k, options, match",
     [
-        (torch.zeros(4, 3), 2, {}, "k=1 only"),
         (torch.zeros(4, 3), 4, {}, "k must be"),
+        (torch.zeros(4, 3), 0, {}, "k must be"),
         (torch.zeros(3), 1, {}, r"shape \(T, E\)"),
         (torch.zeros(4, 3, dtype=torch.int64), 1, {}, "floating-point"),
         (torch.zeros(4, 3), 1, {"max_iters": -1}, "max_iters"),
