@@ -30,12 +30,15 @@ from moe.routing import assignment_score, balanced_assignment, balanced_assignme
 
 GRID = {"T": [1024, 4096, 16384, 65536], "E": [8, 64, 256], "K": [1, 2, 8]}
 QUICK = {"T": [1024, 4096], "E": [8, 64], "K": [1, 2]}
-DISTS = ("gaussian", "skewed", "zipf")
+DISTS = ("gaussian", "skewed", "zipf")  # the default grid's; "rank2" on request (--dists)
+EXTRA_DISTS = ("rank2",)
 SCIPY_MAX_SLOTS = 4096  # expanded (T*K) x (T*K) Hungarian; beyond this it takes minutes
 
 
 def scores_for(dist: str, t: int, e: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
+    if dist == "rank2":  # scores of rank 2: experts ordered around a circle, neighbours compete
+        return torch.randn(t, 2, generator=g) @ torch.randn(2, e, generator=g)
     x = torch.randn(t, e, generator=g)
     if dist == "skewed":  # an eighth of the experts are favoured by most tokens
         x[:, : max(1, e // 8)] += 2.0
@@ -84,10 +87,13 @@ def methods(k: int, sinkhorn_iters: int):
         idx.scatter_(0, take, torch.arange(e).expand(c, e))
         return idx
 
-    found = {"base": lambda s: balanced_assignment(s, k)}
-    if k == 1:  # the sync-free solver (K = 1 only)
-        found["base_approx"] = balanced_assignment_approx
-    return found | {"topk": topk, "sinkhorn": sink, "expert_choice": expert_choice}
+    return {
+        "base": lambda s: balanced_assignment(s, k),
+        "base_approx": lambda s: balanced_assignment_approx(s, k),  # the sync-free solver
+        "topk": topk,
+        "sinkhorn": sink,
+        "expert_choice": expert_choice,
+    }
 
 
 def run_case(t: int, e: int, k: int, dist: str, repeats: int, sinkhorn_iters: int) -> list[dict]:
@@ -191,12 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small grid that runs in seconds")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per case (median reported)")
-    ap.add_argument("--dists", nargs="+", default=None, choices=DISTS)
+    ap.add_argument("--dists", nargs="+", default=None, choices=DISTS + EXTRA_DISTS)
+    for dim in ("T", "E", "K"):
+        ap.add_argument(f"--{dim}", type=int, nargs="+", default=None, help=f"the {dim} values (default: the grid's)")
     ap.add_argument("--sinkhorn-iters", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("runs/routing"))
     ap.add_argument("--docs", action="store_true", help="rewrite the routing section of docs/benchmarks.md")
     args = ap.parse_args(argv)
-    grid = QUICK if args.quick else GRID
+    grid = {dim: getattr(args, dim) or values for dim, values in (QUICK if args.quick else GRID).items()}
     dists = args.dists or (("gaussian", "skewed") if args.quick else DISTS)
     repeats = args.repeats or (3 if args.quick else 5)
     cases = [(t, e, k, d) for t in grid["T"] for e in grid["E"] for k in grid["K"] if k <= e for d in dists]

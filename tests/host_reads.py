@@ -1,12 +1,16 @@
-"""What a block of code reads back from its tensors on the host: a CPU-only stand-in for
-``torch.cuda.set_sync_debug_mode``.
+"""What a block of code reads back from its tensors on the host: a CPU-only model of the reads
+``torch.cuda.set_sync_debug_mode`` reports.
 
 Everything computed from the given source tensors (and from their results, and so on) is
 tainted; a tensor made on the host, e.g. from a Python list, is not. Every host read of a
-tainted value is recorded: ``item``/``int``/``float``/``bool``, ``tolist``, ``numpy``, and the
-ops whose output shape depends on values (on CUDA each of them waits for the device): nonzero,
-masked_select, unique, bincount, repeat_interleave without output_size, equal, and indexing
-with a boolean mask. Taint follows storages, so views and in-place writes carry it.
+tainted value is recorded: ``item``/``int``/``float``/``bool``, ``tolist``, ``numpy``, the ops
+whose output shape depends on values (on CUDA each of them waits for the device: nonzero,
+masked_select, unique, bincount, repeat_interleave without output_size, equal, indexing with a
+boolean mask), and a tainted ``counts_E`` passed to one of our ``moe::`` custom ops (they read
+their counts on the host; what runs inside a custom op is hidden from a dispatch mode). Taint
+follows storages, so views and in-place writes carry it, collectives taint every tensor they
+touch, and ``torch.tensor(data, device=...)`` is recorded too (on CUDA a blocking copy).
+Not seen: copies between host and device made otherwise (no-ops on CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ _READS = {
     _aten.bincount.default,
     _aten.equal.default,
     _aten._unique2.default,
+    _aten._unique.default,
+    _aten.unique_dim_consecutive.default,
     _aten.unique_dim.default,
     _aten.unique_consecutive.default,
 }
@@ -42,20 +48,27 @@ class HostReads(TorchDispatchMode):
 
     @staticmethod
     def _storage(t: torch.Tensor):
-        return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+        try:
+            return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage: nothing to read
+            return None
 
     def _taint(self, t: torch.Tensor) -> None:
         storage = self._storage(t)
-        if storage._cdata not in self._ids:
+        if storage is not None and storage._cdata not in self._ids:
             self._kept.append(storage)
             self._ids.add(storage._cdata)
 
     def tainted(self, t: torch.Tensor) -> bool:
-        return self._storage(t)._cdata in self._ids
+        storage = self._storage(t)
+        return storage is not None and storage._cdata in self._ids
 
     def _reads(self, func, args, kwargs) -> bool:
         if func in _READS:
             return True
+        if func.namespace == "moe":  # our custom ops read their counts on the host
+            names = [s.name for s in func._schema.arguments]
+            return any(n == "counts_E" and self.tainted(a) for n, a in zip(names, args, strict=False))
         if func is _aten.repeat_interleave.Tensor:
             return kwargs.get("output_size") is None
         if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default):
@@ -72,6 +85,8 @@ class HostReads(TorchDispatchMode):
         if dirty:
             schema = func._schema.arguments  # positional arguments the op writes to
             written = [a for a, s in zip(args, schema, strict=False) if s.alias_info and s.alias_info.is_write]
+            if func.namespace == "c10d":  # collectives write their outputs without saying so
+                written = list(tree_leaves(args))
             for t in [*tree_leaves(out), *written]:
                 if isinstance(t, torch.Tensor):
                     self._taint(t)
@@ -79,14 +94,23 @@ class HostReads(TorchDispatchMode):
 
     def __enter__(self):
         self._patched = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        self._tensor = torch.tensor
+        mode = super().__enter__()
         for name, method in self._patched.items():
             setattr(torch.Tensor, name, self._recording(name, method))
-        return super().__enter__()
+        torch.tensor = self._blocking_copy
+        return mode
 
     def __exit__(self, *exc):
         for name, method in self._patched.items():
             setattr(torch.Tensor, name, method)
+        torch.tensor = self._tensor
         return super().__exit__(*exc)
+
+    def _blocking_copy(self, data, *args, **kwargs):
+        if kwargs.get("device") is not None:
+            self.reads.append("torch.tensor(device=...)")
+        return self._tensor(data, *args, **kwargs)
 
     def _recording(self, name: str, method):
         def read(t, *args, **kwargs):

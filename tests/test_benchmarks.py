@@ -11,6 +11,8 @@ def test_routing_case_reports_every_method():
     base, approx = rows[:2]
     assert base["exact_balance"] and base["max_load"] == 1.0 and abs(base["gap_vs_exact"]) < 1e-6
     assert approx["exact_balance"] and approx["max_load"] == 1.0 and 0 <= approx["gap_vs_exact"] < 0.02
+    wide = routing.run_case(64, 8, 2, "rank2", repeats=1, sinkhorn_iters=4)  # K > 1, the extra distribution
+    assert [r["exact_balance"] for r in wide[:2]] == [True, True]
     assert rows[2]["quality"] == 1.0  # unconstrained top-k is its own bound
     assert "| 256 | 8 | 1 | skewed | base |" in routing.markdown(
         rows, {"command": "c", "machine": "m", "threads": 1, "torch": "t", "date": "d", "repeats": 1}

@@ -26,7 +26,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..layer import MoE
-from ..routing import BaseRouter, TopKRouter, balanced_assignment, balanced_assignment_approx, capacity_list
+from ..routing import (
+    BaseRouter,
+    TopKRouter,
+    balanced_assignment,
+    balanced_assignment_approx,
+    capacity_list,
+    expert_capacities,
+)
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
 from .dispatch import STRATEGIES, PeerFailedError, combine, dispatch, raise_if_peers_failed, resolve_strategy, send_key
 
@@ -46,14 +53,14 @@ class GroupBalance:
     exactly its share of the group's tokens. Cost per call: the gather (each rank receives the
     group's (sum T, E) fp32 scores) and a solve over sum T tokens on every rank."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    def __init__(self, group, solver=balanced_assignment) -> None:
+        self.group, self.solver = group, solver
 
     def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
         sizes = _exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
         raise_if_peers_failed(sizes, self.group, "exchange")
         rows = all_gather_rows(scores_TE.detach(), sizes, self.group)  # the same (sum T, E) everywhere
-        idx = balanced_assignment(rows, k, **options)
+        idx = self.solver(rows, k, **options)
         start = sum(sizes[: dist.get_rank(self.group)])
         return idx[start : start + scores_TE.shape[0]]
 
@@ -135,19 +142,14 @@ class ExpertParallel:
         if self._static(layer.router):
             num_tokens, k = routing.expert_idx.shape
             known = capacity_list(num_tokens, layer.config.num_experts, k)
-            expected = torch.tensor(self._send_order(known), device=counts_E.device)
+            expected = expert_capacities(num_tokens, layer.config.num_experts, k, device=counts_E.device)
+            if self.strategy == "per_expert":  # the send order: by local expert, then by rank
+                expected = expected.view(self.ep_size, -1).T.reshape(-1)
             torch._assert_async((counts_E == expected).all())  # the promise, checked without a host sync
         x_local, counts_local, info = dispatch(
             xs_MD, counts_E, self.ep_group, known_counts=known, strategy=self.strategy
         )
         return combine(layer.experts(x_local, counts_local), info)
-
-    def _send_order(self, counts: list[int]) -> list[int]:
-        """Per-expert counts in the order the rows are sorted for sending."""
-        if self.strategy == "resort":
-            return counts
-        per_rank = self.num_experts // self.ep_size
-        return [counts[j * per_rank + e] for e in range(per_rank) for j in range(self.ep_size)]
 
     def fail(self, layer: MoE, err: Exception) -> None:
         """This rank cannot route (e.g. NaN input): join the collective the other ranks wait in
@@ -326,7 +328,9 @@ def parallelize_moe(
             mesh, layer.config.num_experts, ep=ep, etp=etp, static_splits=static_splits, strategy=dispatch_strategy
         )
         if global_base:
-            layer.router.assign = GroupBalance(layer.parallel.ep_group)
+            layer.router.assign = GroupBalance(layer.parallel.ep_group, solver=layer.router.assign)
+        elif static_splits and isinstance(layer.router, BaseRouter):
+            layer.router.sync_free = True  # with the approx solver the static path reads nothing back
         if isinstance(layer.router, TopKRouter):
             layer.router.sum_over_ranks = _MeshSum(mesh)
     return module

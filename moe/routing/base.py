@@ -32,12 +32,18 @@ class BaseRouter(GatedRouter):
         # moe.parallel.parallelize_moe(global_base=True) to balance over the expert-parallel group
         self.assign = balanced_assignment if config.base_solver == "exact" else balanced_assignment_approx
 
+        # set by moe.parallel.parallelize_moe(static_splits=True), whose path then reads nothing
+        # else back: see host_syncs
+        self.sync_free = False
+
     @property
     def host_syncs(self) -> bool:
-        """False while this router reads nothing back from the device: training with the
-        sync-free solver (``base_solver="approx"``). Its `RoutingResult` then has no stats
-        (plain floats would need a read) and its input is checked with ``torch._assert_async``."""
-        return not (self.training and self.assign is balanced_assignment_approx)
+        """False while this router reads nothing back from the device: ``sync_free`` and
+        training with the sync-free solver (``base_solver="approx"``). Its `RoutingResult` then
+        has no stats (plain floats would need a read) and its input is checked with
+        ``torch._assert_async`` (elsewhere a NaN raises ValueError, which the counted
+        expert-parallel path passes on to the other ranks)."""
+        return not (self.sync_free and self.training and self.assign is balanced_assignment_approx)
 
     def reset_parameters(self) -> None:
         # orthogonal centroids, small gain: distinct experts, gates start near sigmoid(0) = 0.5

@@ -31,7 +31,7 @@ a2a_module = importlib.import_module("moe.parallel.all_to_all")  # the module, n
 CASES = {
     "base": dict(router="base", top_k=1, combine="sigmoid_residual", num_shared_experts=1),
     "base-k2": dict(router="base", top_k=2),
-    "base-approx": dict(router="base", top_k=1, combine="sigmoid_residual", router_options={"base_solver": "approx"}),
+    "base-approx": dict(router="base", top_k=2, router_options={"base_solver": "approx"}),
     "topk": dict(router="topk", top_k=2, aux_loss_coef=0.01, z_loss_coef=1e-3, capacity_factor=1.0),
     "topk-bias": dict(router="topk", top_k=2, router_options={"score_func": "sigmoid", "bias_update_rate": 0.01}),
     "sinkhorn": dict(router="sinkhorn", top_k=1, aux_loss_coef=0.01),
@@ -115,7 +115,7 @@ def counting_all_to_all():
 def check_static_splits(mesh) -> None:
     """BASE with static splits: the count exchange (the one int64 all-to-all) is gone, the rows
     move as before, the numbers are the same."""
-    for case, n in (("base-k2", 6), ("base", 5), ("base-approx", 5)):  # 5 tokens on 4 experts: uneven loads
+    for case, n in (("base-k2", 6), ("base", 5), ("base-approx", 5)):  # 5 or 6 tokens on 4 experts: uneven loads
         x = tokens_of(case, dist.get_rank(), n)
         outputs, calls = {}, {}
         for static in (False, True):
@@ -132,11 +132,16 @@ def check_static_path_reads_nothing(mesh) -> None:
     """The static path with the sync-free solver reads no value back on the host, forward and
     backward; the counted path and the exact solver do (so the check can see reads)."""
     x = tokens_of("base-approx", dist.get_rank(), 6).requires_grad_()
-    for case, static, silent in (("base-approx", True, True), ("base-approx", False, False), ("base", True, False)):
-        layer = parallelize_moe(build(case), mesh, static_splits=static)
+    for case, k, static, silent in (
+        ("base-approx", 2, True, True),
+        ("base-approx", 1, True, True),
+        ("base-approx", 2, False, False),
+        ("base-k2", 2, True, False),
+    ):
+        layer = parallelize_moe(build(case, top_k=k), mesh, static_splits=static)
         with HostReads(x, *layer.parameters()) as seen:
             (layer(x) * torch.linspace(-1, 1, 8)).sum().backward()
-        assert (seen.reads == []) == silent, (case, static, seen.reads)
+        assert (seen.reads == []) == silent, (case, k, static, seen.reads)
 
 
 def check_global_base(mesh, tokens: list[int]) -> None:
@@ -323,7 +328,8 @@ def check_failing_rank(mesh) -> None:
     """A rank whose input cannot be routed (NaN) raises, and so do the others, instead of waiting
     for it in the next collective: counted dispatch and global BASE."""
     rank = dist.get_rank()
-    for case, options in (("topk", {}), ("base", {"global_base": True})):
+    cases = (("topk", {}), ("base", {"global_base": True}), ("base-approx", {}), ("base-approx", {"global_base": True}))
+    for case, options in cases:
         layer = parallelize_moe(build(case), mesh, **options)
         x = tokens_of(case, rank, 5)
         if rank == 1:
