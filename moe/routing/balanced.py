@@ -453,6 +453,23 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
             _swap_in(s_ET, out, int(stuck[0]), cap_E - torch.bincount(out[out >= 0], minlength=num_experts))
 
 
+def _nothing_to_solve(
+    scores_TE: Tensor, k: int, max_iters: int, max_cycles: int | None, eps: float, *, check_finite: bool
+) -> Tensor | None:
+    """Check the arguments, and return the answer when there is no choice to make (no tokens,
+    or K = E: every token takes every expert), else None."""
+    _check(scores_TE, k)
+    _check_options(max_iters, max_cycles, eps)
+    num_tokens, num_experts = scores_TE.shape
+    if num_tokens == 0:
+        return torch.empty(0, k, dtype=torch.int64, device=scores_TE.device)
+    if k == num_experts:
+        if check_finite:
+            _check_finite(float(scores_TE.abs().amax()), scores_TE)
+        return torch.arange(k, device=scores_TE.device).expand(num_tokens, k).clone()
+    return None
+
+
 def _round_robin(num_tokens: int, num_experts: int, k: int, device) -> Tensor:
     """A feasible balanced assignment: slot i (token-major) goes to expert i mod E."""
     return (torch.arange(num_tokens * k, device=device) % num_experts).view(num_tokens, k)
@@ -498,15 +515,11 @@ def balanced_assignment(
     arrays) and their slots back, and a few per certificate check (usually one check). A
     bounded number, whatever the input.
     """
-    _check(scores_TE, k)
-    _check_options(max_iters, max_cycles, eps)
+    trivial = _nothing_to_solve(scores_TE, k, max_iters, max_cycles, eps, check_finite=True)
+    if trivial is not None:
+        return trivial
     num_tokens, num_experts = scores_TE.shape
     device = scores_TE.device
-    if num_tokens == 0:
-        return torch.empty(0, k, dtype=torch.int64, device=device)
-    if k == num_experts:  # every token takes every expert
-        _check_finite(float(scores_TE.abs().amax()), scores_TE)
-        return torch.arange(k, device=device).expand(num_tokens, k).clone()
     with torch.no_grad():
         s = _normalise(scores_TE, jitter=eps / 2)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
@@ -550,14 +563,11 @@ def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int 
     (that needs a sync; the routers check their input): NaN counts as the lowest score, +-Inf
     as the largest finite ones, and the result is still a balanced assignment.
     """
-    _check(scores_TE, k)
-    _check_options(max_iters, None, eps)
+    trivial = _nothing_to_solve(scores_TE, k, max_iters, None, eps, check_finite=False)
+    if trivial is not None:
+        return trivial
     num_tokens, num_experts = scores_TE.shape
     device = scores_TE.device
-    if num_tokens == 0:
-        return torch.empty(0, k, dtype=torch.int64, device=device)
-    if k == num_experts:  # every token takes every expert
-        return torch.arange(k, device=device).expand(num_tokens, k).clone()
     with torch.no_grad():
         s = _normalise_nosync(scores_TE, jitter=eps / 2)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
