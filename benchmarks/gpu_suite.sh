@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 status=0
-timeout 240 "$PY" -m pytest -m "gpu or triton" -q tests/kernels 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+timeout 240 "$PY" -m pytest -m "gpu or triton" -q tests/kernels tests/parallel/test_sync_free_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 timeout 240 "$PY" -m benchmarks.grouped_gemm --repeats 10 2>&1 | tee "$OUT/grouped_gemm.log" || status=1
 timeout 150 "$PY" -m benchmarks.moe_layer --dtype bfloat16 --repeats 5 2>&1 | tee "$OUT/moe_layer.log" || status=1
 exit $status
