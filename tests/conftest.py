@@ -1,11 +1,13 @@
 import os
 
-# Triton kernels run on CPU through Triton's interpreter; it must be chosen before triton loads.
-if not os.path.exists("/dev/nvidiactl"):
+import torch
+
+# Triton kernels run on CPU through Triton's interpreter when there is no GPU; it must be
+# chosen before triton loads (importing torch does not load it)
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # "ci" keeps the suite fast on 2 cores; "dev" runs many more examples: HYPOTHESIS_PROFILE=dev

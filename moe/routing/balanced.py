@@ -610,29 +610,35 @@ def _complete(out_TK: Tensor, cap_E: Tensor, margin_T: Tensor) -> tuple[Tensor, 
     """Fill every empty slot with fixed shapes and no host sync, keeping exact balance and
     distinct experts.
 
-    Every token with an empty slot gives up all its slots (set S, n tokens), so the free places
-    R[e] sum to n * K. Listed by expert, the free places go out column by column over the S
-    tokens in index order: place i to token i mod n. A token's places are n apart, so it gets
-    distinct experts whenever no expert has more than n free places. An expert with R[e] > n
-    needs more tokens: the ``max(R - n)`` complete tokens with the smallest margins that hold no
-    such expert give up their slots too, which keeps every other expert within bounds (docs/
-    routing.md). Should too few such tokens exist, the result is the round robin (balanced,
-    distinct, score-blind); the check runs on the device. Returns the assignment and that
-    check's flag (a bool tensor: False when the round robin was used)."""
+    Every token with an empty slot gives up all its slots (n tokens), so the free places R[e]
+    sum to n * K. Listed by expert, the free places go out column by column over those tokens
+    in index order: place i to token i mod n. A token's places are n apart, so it gets distinct
+    experts whenever no expert has more than n free places. An expert with R[e] > n needs more
+    tokens to take its places: complete tokens give up their slots too, in order of how few
+    such experts they hold, then of margin, up to the shortest prefix after which every such
+    expert e has at least R[e] - n of them that do not hold it. That keeps every expert within
+    the bound (a token holds an expert at most once), and all complete tokens always suffice
+    (docs/routing.md). The result is checked on the device, and the round robin (balanced,
+    distinct, score-blind) replaces it should the check fail. Returns the assignment and the
+    check's flag (a bool tensor)."""
     num_tokens, k = out_TK.shape
     num_experts = cap_E.shape[0]
     device = out_TK.device
     short = (out_TK < 0).any(dim=1)
     out = torch.where(short[:, None], -1, out_TK)
     over = cap_E - _loads(out, num_experts) - short.sum()  # free places beyond n
-    need = over.clamp(min=0).max()
-    eligible = ~short & ~(held_mask(out, num_experts) & (over > 0)[:, None]).any(dim=0)
-    order = torch.sort(torch.where(eligible, margin_T, float("inf")), stable=True).indices
+    crowded = over > 0
+    free_of = ~held_mask(out, num_experts) & crowded[:, None]  # (E, T): token t does not hold crowded e
+    busy = torch.where(short, num_experts + 1, (crowded[:, None] & ~free_of).sum(dim=0))  # short tokens last
+    order = torch.sort(margin_T, stable=True).indices
+    order = order[torch.sort(busy[order], stable=True).indices]  # by crowded experts held, then margin
+    enough = (free_of[:, order].cumsum(dim=1) >= over[:, None]) | ~crowded[:, None]
+    length = torch.where(crowded.any(), enough.all(dim=0).to(torch.uint8).argmax() + 1, 0)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(num_tokens, device=device))
-    give_up = short | (eligible & (rank < need))
+    give_up = short | (rank < length)
     out = torch.where(give_up[:, None], -1, out)
     n = give_up.sum()
-    members = torch.sort((~give_up).to(torch.uint8), stable=True).indices  # the S tokens first, by index
+    members = torch.sort((~give_up).to(torch.uint8), stable=True).indices  # those tokens first, by index
     place = torch.arange(num_tokens * k, device=device)
     expert = torch.searchsorted(torch.cumsum(cap_E - _loads(out, num_experts), 0), place, right=True)
     per = n.clamp(min=1)
@@ -640,7 +646,7 @@ def _complete(out_TK: Tensor, cap_E: Tensor, margin_T: Tensor) -> tuple[Tensor, 
     flat = torch.cat([out.reshape(-1), out.new_full((1,), -1)])
     flat.scatter_(0, target, expert.clamp_(max=num_experts - 1))
     out = flat[:-1].view(num_tokens, k)
-    ok = (eligible.sum() >= need) & (_loads(out, num_experts) == cap_E).all() & (out >= 0).all()
+    ok = (_loads(out, num_experts) == cap_E).all() & (out >= 0).all()
     if k > 1:
         ok &= (out.sort(dim=1).values.diff(dim=1) != 0).all()
     return torch.where(ok, out, _round_robin(num_tokens, num_experts, k, device)), ok

@@ -39,7 +39,7 @@ def test_static_path_never_waits_for_the_device(tmp_path, k):
             try:
                 if silent:
                     step(layer, x)
-                else:  # the counted path reads its counts: the check does see syncs
+                else:  # the counted path reads back (first the router's NaN check): syncs are seen
                     with pytest.raises(RuntimeError, match="synchroniz"):
                         step(layer, x)
             finally:
