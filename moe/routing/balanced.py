@@ -269,7 +269,7 @@ def _jacobi_prices(
     p: Tensor,
     work: _Work,
     omega: float = 0.7,
-    width: float = 1.0,
+    widths: tuple[float, ...] = (1.0,),
 ) -> tuple[Tensor, Tensor]:
     """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
     largest price move of the last update (a scalar tensor).
@@ -277,15 +277,16 @@ def _jacobi_prices(
     Each update moves every expert's price to the value at which exactly ``target[e]`` (int64)
     tokens would pick it were the other prices fixed (the midpoint between two order statistics
     of the margins, from a per-expert histogram over [-width, width]: a narrower window is
-    finer, and a larger move is clamped to it), damped by ``omega``. No host sync.
+    finer, and a larger move is clamped to it), damped by ``omega``. Update i uses
+    ``widths[i]``, the last one for the rest. No host sync.
     """
     num_experts = s_ET.shape[0]
     last = s_ET.new_zeros(())
     rows = torch.arange(num_experts, device=s_ET.device, dtype=s_ET.dtype)
     row_base = (rows * _BINS_DENSE + _BINS_DENSE / 2)[:, None]
-    for _ in range(iters):
+    for i in range(iters):
         d = _margins(work.shifted(s_ET, p), k, work)
-        q = _row_quantiles(d, row_base, target_E, width, _BINS_DENSE, work)
+        q = _row_quantiles(d, row_base, target_E, widths[min(i, len(widths) - 1)], _BINS_DENSE, work)
         step = omega * q
         p = p + step[:, None]
         last = step.abs().max()
@@ -444,13 +445,13 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
         short = torch.nonzero((out < 0).any(dim=1)).flatten()
         if short.numel() == 0:
             return
-        deficit = cap_E - torch.bincount(out[out >= 0], minlength=num_experts)
+        deficit = cap_E - _loads(out, num_experts)
         sub_out = out[short].cpu().numpy()
         fill_passes(s_ET[:, short].double().cpu().numpy(), sub_out, deficit.cpu().numpy(), prices)
         out[short] = torch.from_numpy(sub_out).to(out.device)
         stuck = torch.nonzero((out < 0).any(dim=1)).flatten()
         if stuck.numel():
-            _swap_in(s_ET, out, int(stuck[0]), cap_E - torch.bincount(out[out >= 0], minlength=num_experts))
+            _swap_in(s_ET, out, int(stuck[0]), cap_E - _loads(out, num_experts))
 
 
 def _nothing_to_solve(
@@ -572,9 +573,8 @@ def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int 
         s = _normalise_nosync(scores_TE, jitter=eps / 2)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
         work = _Work(s)
-        p = s.new_zeros(num_experts, 1)
-        for i in range(max_iters):  # ever finer windows as the prices settle (measured: half the gap of width 1)
-            p = _jacobi_prices(s, cap, k, 1, p, work=work, width=_APPROX_WIDTHS[min(i, len(_APPROX_WIDTHS) - 1)])[0]
+        # ever finer windows as the prices settle (measured: half the gap of width 1)
+        p = _jacobi_prices(s, cap, k, max_iters, s.new_zeros(num_experts, 1), work=work, widths=_APPROX_WIDTHS)[0]
         out, margin = _select(s, p, k, cap, work)
         out = _bids(work.shifted(s, p), out, cap, rounds=k + 2)
         return _complete(out, cap, margin)[0]
