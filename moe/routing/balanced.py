@@ -117,8 +117,8 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
         scale = float((hi - lo).amax())
-    s = x.T.to(dtype, memory_format=torch.contiguous_format, copy=True)
-    s.sub_(hi)
+    # one pass that reads x transposed and subtracts (on CPU a third of a transposing copy + sub_)
+    s = torch.sub(x.T, hi, out=x.new_empty(x.shape[::-1], dtype=dtype))
     if scale > 0:
         s.div_(scale)
     return _add_jitter(s, jitter)
@@ -293,6 +293,16 @@ def _jacobi_prices(
     return p, last
 
 
+def _above(a_ET: Tensor, floor_T: Tensor) -> tuple[Tensor, Tensor]:
+    """Row and column indices (row-major order) of the entries of ``a`` above ``floor`` (one per
+    column). On CPU through numpy, whose comparison and nonzero on an (E, T) array are several
+    times faster than torch's there (measured: 15 against 130 us, 70 against 420 us at 64 x 4096)."""
+    if a_ET.device.type != "cpu":
+        return torch.nonzero(a_ET > floor_T, as_tuple=True)
+    flat = torch.from_numpy(np.flatnonzero(a_ET.numpy() > floor_T.numpy()))
+    return flat // a_ET.shape[1], flat % a_ET.shape[1]
+
+
 class _Pairs:
     """For K = 1: the (token, expert) pairs within ``width`` of each token's best under prices
     ``p0``, M of them, grouped by expert.
@@ -307,7 +317,7 @@ class _Pairs:
 
     def __init__(self, s_ET: Tensor, p0: Tensor, width: float, work: _Work) -> None:
         a = work.shifted(s_ET, p0)
-        self.e_M, self.t_M = torch.nonzero(a > a.amax(dim=0) - width, as_tuple=True)
+        self.e_M, self.t_M = _above(a, a.amax(dim=0) - width)
         self.s_M = s_ET[self.e_M, self.t_M]
         self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
         self.row_base = (self.e_M * _BINS_SPARSE).to(s_ET.dtype) + _BINS_SPARSE / 2
@@ -521,7 +531,7 @@ def balanced_assignment(
         return trivial
     num_tokens, num_experts = scores_TE.shape
     device = scores_TE.device
-    with torch.no_grad():
+    with torch.inference_mode():  # cheaper per op than no_grad; the result is cloned out of it
         s = _normalise(scores_TE, jitter=eps / 2)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
         work = _Work(s)
@@ -545,7 +555,7 @@ def balanced_assignment(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    return out
+    return out.clone()  # a normal tensor: an inference tensor cannot be saved for backward
 
 
 _APPROX_WIDTHS = (1.0, 1.0, 0.25, 0.1, 0.05, 0.03)  # price-update windows of the sync-free solver

@@ -63,7 +63,7 @@ class _Graph:
         num_experts = s_EC.shape[0]
         self.expert_KC, self.gain_EKC = self._slot_gains(np.arange(out_CK.shape[0]))
         self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)
-        self._rows(np.arange(num_experts))
+        self._rows(np.ones(num_experts, dtype=bool))
 
     def _slot_gains(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s = self.s[:, pos]  # (E, P)
@@ -74,12 +74,10 @@ class _Graph:
         gain[expert, :, cols] = -np.inf  # no slot moves to an expert its token holds
         return expert, gain
 
-    def _rows(self, rows: np.ndarray) -> None:
-        """Recompute gain[rows] from the slot gains."""
+    def _rows(self, mark: np.ndarray) -> None:
+        """Recompute the rows of ``gain`` marked (bool, (E,)) from the slot gains."""
         num_experts = self.gain.shape[0]
-        self.gain[rows] = -np.inf
-        mark = np.zeros(num_experts, dtype=bool)
-        mark[rows] = True
+        self.gain[mark] = -np.inf
         expert = self.expert_KC.ravel()
         pick = np.flatnonzero(mark[expert])
         if pick.size == 0:
@@ -92,16 +90,19 @@ class _Graph:
 
     def moved(self, pos: np.ndarray) -> None:
         """Candidates at positions ``pos`` changed their experts: refresh what depends on them."""
-        touched = set(self.expert_KC[:, pos].ravel().tolist())
+        touched = np.zeros(self.gain.shape[0], dtype=bool)
+        touched[self.expert_KC[:, pos]] = True
         self.expert_KC[:, pos], self.gain_EKC[:, :, pos] = self._slot_gains(pos)
-        touched.update(self.expert_KC[:, pos].ravel().tolist())
-        self._rows(np.array(sorted(touched), dtype=np.int64))
+        touched[self.expert_KC[:, pos]] = True
+        self._rows(touched)
 
-    def mover(self, a: int, b: int) -> tuple[int, int]:
-        """(candidate position, slot) of the lowest-index token with the best a -> b move."""
-        hit = (self.expert_KC == a) & (self.gain_EKC[b] == self.gain[a, b])  # (K, C)
-        c = int(hit.any(axis=0).argmax())  # first candidate (lowest token index) with a best move
-        return c, int(hit[:, c].argmax())
+    def movers(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the moves a[i] -> b[i]: (candidate position, slot) of the lowest-index token with
+        the best such move, each (N,)."""
+        gain = self.gain[a, b][:, None, None]
+        hit = (self.expert_KC[None] == a[:, None, None]) & (self.gain_EKC[b] == gain)  # (N, K, C)
+        c = hit.any(axis=1).argmax(axis=1)  # first candidate (lowest token index) with a best move
+        return c, hit[np.arange(c.size), :, c].argmax(axis=1)
 
     def cancel(self, delta: float, max_cycles: int) -> tuple[bool, int, np.ndarray]:
         """Apply positive cycles until none is left (True) or ``max_cycles`` ran out with one
@@ -114,13 +115,13 @@ class _Graph:
                 return True, applied, dist
             if applied >= max_cycles:
                 return False, applied, dist
-            moves = []
-            for cycle in cycles[: max_cycles - applied]:  # disjoint: all moves were valid together
-                moves += [(self.mover(a, b), b) for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)]
-                applied += 1
-            for (c, j), b in moves:
-                self.out[c, j] = b
-            self.moved(np.array(sorted({c for (c, _), _ in moves}), dtype=np.int64))
+            cycles = cycles[: max_cycles - applied]
+            applied += len(cycles)
+            a = np.array([v for cycle in cycles for v in cycle])
+            b = np.array([v for cycle in cycles for v in cycle[1:] + cycle[:1]])
+            c, j = self.movers(a, b)  # disjoint cycles: all these moves are valid together
+            self.out[c, j] = b
+            self.moved(c)  # repeats are harmless
 
 
 def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
