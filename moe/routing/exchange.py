@@ -62,8 +62,11 @@ class _Graph:
         self.s, self.out = s_EC, out_CK
         num_experts = s_EC.shape[0]
         self.expert_KC, self.gain_EKC = self._slot_gains(np.arange(out_CK.shape[0]))
-        self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)
-        self._rows(np.ones(num_experts, dtype=bool))
+        # every row at once: a scatter-max over the slots (on CPU about half the time of _rows here)
+        g = torch.from_numpy(self.gain_EKC.reshape(num_experts, -1))
+        src = torch.from_numpy(self.expert_KC.reshape(1, -1)).expand(num_experts, -1)
+        into = torch.full((num_experts, num_experts), -np.inf, dtype=g.dtype)  # into[b, a]: the edge a -> b
+        self.gain = into.scatter_reduce_(1, src, g, reduce="amax").T.contiguous().numpy()
 
     def _slot_gains(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s = self.s[:, pos]  # (E, P)
@@ -257,7 +260,7 @@ def cancel_cycles(
             return False
         prices = torch.from_numpy(dist).to(device=s_ET.device, dtype=s_ET.dtype)
         bad = violations(s_ET, prices, out_TK, delta)
-        if torch.isin(bad, tok).all():  # every token passes (candidates pass by construction)
+        if bad.numel() == 0 or torch.isin(bad, tok).all():  # every token passes (candidates do by construction)
             return True
         band *= 2  # grow geometrically: a few rebuilds at most
         tok = torch.unique(torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)]))
