@@ -185,6 +185,16 @@ def test_deterministic():
     assert torch.equal(first, balanced_assignment(scores.T.contiguous().T, 2))
 
 
+def test_result_is_an_ordinary_tensor_autograd_can_save():
+    """The solver runs in inference mode; its result must still index in a graph that is
+    differentiated (an inference tensor cannot be saved for backward)."""
+    scores = torch.randn(64, 8, dtype=torch.float64, requires_grad=True)
+    idx = balanced_assignment(scores, 2)
+    assert not idx.is_inference()
+    scores.gather(1, idx).sum().backward()
+    assert torch.equal(scores.grad.count_nonzero(dim=1), torch.full((64,), 2))
+
+
 def test_huge_finite_scores():
     scores = torch.tensor([[3e38, -3e38], [-3e38, 3e38]])
     assert balanced_assignment(scores).flatten().tolist() == [0, 1]
