@@ -117,7 +117,7 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
         scale = float((hi - lo).amax())
-    # one pass that reads x transposed and subtracts (on CPU a third of a transposing copy + sub_)
+    # one pass that reads x transposed and subtracts (on CPU about half a transposing copy and a sub_)
     s = torch.sub(x.T, hi, out=x.new_empty(x.shape[::-1], dtype=dtype))
     if scale > 0:
         s.div_(scale)

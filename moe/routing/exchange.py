@@ -62,7 +62,8 @@ class _Graph:
         self.s, self.out = s_EC, out_CK
         num_experts = s_EC.shape[0]
         self.expert_KC, self.gain_EKC = self._slot_gains(np.arange(out_CK.shape[0]))
-        # every row at once: a scatter-max over the slots (on CPU about half the time of _rows here)
+        # every row at once: torch's scatter-max over the slots takes about half the time of _rows
+        # here, while _rows is the faster one for the few rows a cycle touches (measured both ways)
         g = torch.from_numpy(self.gain_EKC.reshape(num_experts, -1))
         src = torch.from_numpy(self.expert_KC.reshape(1, -1)).expand(num_experts, -1)
         into = torch.full((num_experts, num_experts), -np.inf, dtype=g.dtype)  # into[b, a]: the edge a -> b
