@@ -31,7 +31,6 @@ from ..routing import (
     TopKRouter,
     balanced_assignment,
     balanced_assignment_approx,
-    capacity_list,
     expert_capacities,
 )
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
@@ -53,7 +52,7 @@ class GroupBalance:
     exactly its share of the group's tokens. Cost per call: the gather (each rank receives the
     group's (sum T, E) fp32 scores) and a solve over sum T tokens on every rank."""
 
-    def __init__(self, group, solver=balanced_assignment) -> None:
+    def __init__(self, group, solver) -> None:
         self.group, self.solver = group, solver
 
     def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
@@ -141,7 +140,7 @@ class ExpertParallel:
         known = None
         if self._static(layer.router):
             num_tokens, k = routing.expert_idx.shape
-            known = capacity_list(num_tokens, layer.config.num_experts, k)
+            known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()  # made on the host
             expected = expert_capacities(num_tokens, layer.config.num_experts, k, device=counts_E.device)
             if self.strategy == "per_expert":  # the send order: by local expert, then by rank
                 expected = expected.view(self.ep_size, -1).T.reshape(-1)

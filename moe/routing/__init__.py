@@ -8,7 +8,6 @@ from .balanced import (
     balanced_assignment,
     balanced_assignment_approx,
     balanced_assignment_ref,
-    capacity_list,
     expert_capacities,
 )
 from .base import BaseRouter
@@ -33,7 +32,6 @@ __all__ = [
     "balanced_assignment_approx",
     "balanced_assignment_ref",
     "build_router",
-    "capacity_list",
     "expert_capacities",
     "load_balancing_loss",
     "router_z_loss",

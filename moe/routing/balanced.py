@@ -28,12 +28,9 @@ __all__ = [
     "balanced_assignment",
     "balanced_assignment_approx",
     "balanced_assignment_ref",
-    "capacity_list",
     "expert_capacities",
     "assignment_score",
 ]
-
-_NEG = -1.0e4  # stand-in score for a forbidden (token, expert) pair after normalisation to [-1, 0]
 
 
 def expert_capacities(num_tokens: int, num_experts: int, k: int = 1, *, device=None) -> Tensor:
@@ -43,23 +40,13 @@ def expert_capacities(num_tokens: int, num_experts: int, k: int = 1, *, device=N
     lowest indices, ``0 .. r-1``, receive one slot more than the others. Made on the device (a
     tensor built from a host list would be a blocking copy on CUDA).
     """
-    base, extra = _split(num_tokens, num_experts, k)
-    caps = torch.full((num_experts,), base, dtype=torch.int64, device=device)
-    return caps + (torch.arange(num_experts, device=device) < extra)
-
-
-def capacity_list(num_tokens: int, num_experts: int, k: int = 1) -> list[int]:
-    """`expert_capacities` as a list of ints, made on the host."""
-    base, extra = _split(num_tokens, num_experts, k)
-    return [base + 1] * extra + [base] * (num_experts - extra)
-
-
-def _split(num_tokens: int, num_experts: int, k: int) -> tuple[int, int]:
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if num_tokens < 0 or k < 1:
         raise ValueError(f"num_tokens must be >= 0 and k >= 1, got num_tokens={num_tokens}, k={k}")
-    return divmod(num_tokens * k, num_experts)
+    base, extra = divmod(num_tokens * k, num_experts)
+    caps = torch.full((num_experts,), base, dtype=torch.int64, device=device)
+    return caps + (torch.arange(num_experts, device=device) < extra)
 
 
 def assignment_score(scores_TE: Tensor, expert_idx_TK: Tensor) -> Tensor:
@@ -395,8 +382,8 @@ def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work) -> tupl
     """Each token takes its K best experts under prices; a full expert keeps the tokens with the
     largest margins over their next choice (ties: lowest token index) and drops the rest.
 
-    Returns (T, K) expert indices, -1 where a slot was dropped or only forbidden experts
-    remained, and each token's margin (T,): how much better its K-th pick is than the next.
+    Returns (T, K) expert indices, -1 where a slot was dropped, and each token's margin (T,):
+    how much better its K-th pick is than the next.
     """
     num_experts, num_tokens = s_ET.shape
     a = work.shifted(s_ET, p)
@@ -408,10 +395,7 @@ def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work) -> tupl
         vals, idx = _top_values(a, k)
     expert = idx[:k].T.reshape(-1)
     margin_TK = vals[:k] - vals[k]
-    allowed = (s_ET.gather(0, idx[:k]) > _NEG / 2).T.reshape(-1)
-    expert = torch.where(allowed, expert, num_experts)  # forbidden picks get a capacity-0 bin
-    cap_ext = torch.cat([cap_E, cap_E.new_zeros(1)])
-    keep = drop_by_score(expert, margin_TK.T.reshape(-1), num_experts + 1, cap_ext)
+    keep = drop_by_score(expert, margin_TK.T.reshape(-1), num_experts, cap_E)
     return torch.where(keep, expert, -1).view(num_tokens, k), margin_TK[k - 1]
 
 
@@ -609,8 +593,8 @@ def _bids(a_ET: Tensor, out_TK: Tensor, cap_E: Tensor, rounds: int) -> Tensor:
         open_ET = ~held_mask(out, num_experts) & (room[:, None] > 0)
         val, best = torch.where(open_ET, a_ET, float("-inf")).max(dim=0)
         bidding = (out < 0).any(dim=1) & (val > float("-inf"))
-        bid = torch.where(bidding, best, num_experts)
-        won = drop_by_score(bid[:, None], val[:, None], num_experts + 1, torch.cat([room, none]))[:, 0] & bidding
+        bid = torch.where(bidding, best, num_experts)  # the others go to bin E, whose room is 0
+        won = drop_by_score(bid[:, None], val[:, None], num_experts + 1, torch.cat([room, none]))[:, 0]
         slot = (out < 0).to(torch.uint8).argmax(dim=1)  # the first empty slot
         out[tokens, slot] = torch.where(won, best, out[tokens, slot])
     return out
