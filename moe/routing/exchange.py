@@ -50,124 +50,142 @@ def violations(s_ET: Tensor, prices_E: Tensor, out_TK: Tensor, band: float) -> T
 
 
 class _Graph:
-    """The (E, E) best-move gains over the C candidate tokens, kept up to date as tokens move.
+    """The exchange graph over the C candidate tokens, kept up to date as tokens move.
 
-    Holds the candidates' scores (E, C) and slots (C, K), and for each slot its expert (K, C) and
-    the gain of moving it to every expert, as (E, K, C) so that each target expert's gains are
-    contiguous. A move changes only the moved tokens' entries and the rows of the experts those
-    tokens touch, so after a cycle only those are recomputed.
+    Holds the candidates' scores (E, C) and slots (C, K). The C * K slots sit in positions
+    grouped by their expert: a cycle keeps every load, so each group keeps its size, and a slot
+    that moves along a cycle takes the position that the slot leaving its new expert frees.
+    ``g[pos]`` (C * K, E) is the gain of moving the slot at ``pos`` to every expert (-inf to
+    the experts its token holds), and the edge a -> b is the largest ``g[pos, b]`` over a's
+    group, so a cycle recomputes only its tokens' rows of ``g`` and the edges out of the
+    experts it touches (one small reduction each). Bellman-Ford reads the edges transposed and
+    less ``delta``, as ``w_in``, kept alongside.
     """
 
-    def __init__(self, s_EC: np.ndarray, out_CK: np.ndarray) -> None:
-        self.s, self.out = s_EC, out_CK
-        num_experts = s_EC.shape[0]
-        self.expert_KC, self.gain_EKC = self._slot_gains(np.arange(out_CK.shape[0]))
-        # every row at once: torch's scatter-max over the slots takes about half the time of _rows
-        # here, while _rows is the faster one for the few rows a cycle touches (measured both ways)
-        g = torch.from_numpy(self.gain_EKC.reshape(num_experts, -1))
-        src = torch.from_numpy(self.expert_KC.reshape(1, -1)).expand(num_experts, -1)
-        into = torch.full((num_experts, num_experts), -np.inf, dtype=g.dtype)  # into[b, a]: the edge a -> b
-        self.gain = into.scatter_reduce_(1, src, g, reduce="amax").T.contiguous().numpy()
+    def __init__(self, s_EC: np.ndarray, out_CK: np.ndarray, delta: float) -> None:
+        self.out, self.delta = out_CK, delta
+        self.s_CE = np.ascontiguousarray(s_EC.T)
+        num_experts, num_cand = s_EC.shape[0], out_CK.shape[0]
+        flat = out_CK.ravel()  # slot i is slot i % K of candidate i // K
+        self.slot = np.argsort(flat, kind="stable")  # the slot at each position
+        self.pos = np.empty_like(self.slot)
+        self.pos[self.slot] = np.arange(self.slot.size)  # the position of each slot
+        size = np.bincount(flat, minlength=num_experts)
+        self.end = np.cumsum(size)
+        self.begin = self.end - size
+        self.g = self._gains(np.arange(num_cand))[self.slot]
+        # every edge at once: the groups padded to one length, reduced over it
+        group = flat[self.slot]
+        pad = np.full((num_experts, max(1, int(size.max())), num_experts), -np.inf, dtype=s_EC.dtype)
+        pad[group, np.arange(group.size) - self.begin[group]] = self.g
+        self.gain = pad.max(axis=1)  # gain[a, b]: the edge a -> b
+        self.w_in = np.ascontiguousarray(self.gain.T - delta)  # w_in[b, a] = gain[a, b] - delta
+        self.through = np.empty_like(self.w_in)
+        self.parent = np.empty(num_experts + 1, dtype=np.int64)
+        self.rows = np.arange(num_experts)
 
-    def _slot_gains(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = self.s[:, pos]  # (E, P)
-        expert = np.ascontiguousarray(self.out[pos].T)  # (K, P)
-        cols = np.arange(pos.size)[None]  # broadcasts against expert
-        gain = np.empty((s.shape[0], *expert.shape), dtype=s.dtype)  # (E, K, P), C order: see _rows
-        np.subtract(s[:, None, :], s[expert, cols][None], out=gain)
-        gain[expert, :, cols] = -np.inf  # no slot moves to an expert its token holds
-        return expert, gain
+    def _gains(self, tokens: np.ndarray) -> np.ndarray:
+        """(len(tokens) * K, E): the gain of moving each slot of these candidates (token-major)
+        to every expert, -inf to the experts the token holds."""
+        held = self.out[tokens]  # (N, K)
+        s = self.s_CE[tokens]  # (N, E)
+        rows = np.arange(tokens.size)[:, None]
+        gain = s[:, None, :] - s[rows, held][:, :, None]  # (N, K, E)
+        gain[rows[:, :, None], np.arange(held.shape[1])[None, :, None], held[:, None, :]] = -np.inf
+        return gain.reshape(-1, s.shape[1])
 
-    def _rows(self, mark: np.ndarray) -> None:
-        """Recompute the rows of ``gain`` marked (bool, (E,)) from the slot gains."""
-        num_experts = self.gain.shape[0]
-        self.gain[mark] = -np.inf
-        expert = self.expert_KC.ravel()
-        pick = np.flatnonzero(mark[expert])
-        if pick.size == 0:
-            return
-        pick = pick[np.argsort(expert[pick], kind="stable")]
-        e = expert[pick]
-        starts = np.flatnonzero(np.concatenate([[True], e[1:] != e[:-1]]))
-        g = np.take(self.gain_EKC.reshape(num_experts, -1), pick, axis=1)  # (E, picked), C order
-        self.gain[e[starts]] = np.maximum.reduceat(g, starts, axis=1).T
+    def _movers(self, a: list[int], b: list[int]) -> np.ndarray:
+        """For the moves a[i] -> b[i]: the position of the lowest-index token with the best such
+        move, (N,)."""
+        found = np.empty(len(a), dtype=np.int64)
+        k = self.out.shape[1]
+        for i, (src, dst) in enumerate(zip(a, b, strict=True)):
+            lo = self.begin[src]
+            hit = (self.g[lo : self.end[src], dst] == self.gain[src, dst]).nonzero()[0] + lo
+            found[i] = hit[np.argmin(self.slot[hit] // k)] if hit.size > 1 else hit[0]
+        return found
 
-    def moved(self, pos: np.ndarray) -> None:
-        """Candidates at positions ``pos`` changed their experts: refresh what depends on them."""
-        touched = np.zeros(self.gain.shape[0], dtype=bool)
-        touched[self.expert_KC[:, pos]] = True
-        self.expert_KC[:, pos], self.gain_EKC[:, :, pos] = self._slot_gains(pos)
-        touched[self.expert_KC[:, pos]] = True
-        self._rows(touched)
+    def _apply(self, cycles: list[list[int]]) -> None:
+        """Move one token along every edge of these node-disjoint cycles (each in move order)."""
+        k = self.out.shape[1]
+        a = [v for cycle in cycles for v in cycle]
+        b = [v for cycle in cycles for v in cycle[1:] + cycle[:1]]
+        nxt, at = [], 0  # nxt[i]: the move out of b[i]
+        for cycle in cycles:
+            nxt.extend(range(at + 1, at + len(cycle)))
+            nxt.append(at)
+            at += len(cycle)
+        pos = self._movers(a, b)
+        slot = self.slot[pos]
+        self.out.ravel()[slot] = b
+        new = pos[nxt]  # each slot takes the position the move out of its new expert frees
+        self.slot[new] = slot
+        self.pos[slot] = new
+        if k == 1:
+            tokens, touched = slot, b
+        else:
+            tokens = np.bincount(slot // k, minlength=self.out.shape[0]).nonzero()[0]
+            touched = np.bincount(self.out[tokens].ravel(), minlength=self.gain.shape[0]).nonzero()[0].tolist()
+        self.g[self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]] = self._gains(tokens)
+        for e in touched:
+            row = np.maximum.reduce(self.g[self.begin[e] : self.end[e]], axis=0)
+            self.gain[e] = row
+            self.w_in[:, e] = row - self.delta
 
-    def movers(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For the moves a[i] -> b[i]: (candidate position, slot) of the lowest-index token with
-        the best such move, each (N,)."""
-        gain = self.gain[a, b][:, None, None]
-        hit = (self.expert_KC[None] == a[:, None, None]) & (self.gain_EKC[b] == gain)  # (N, K, C)
-        c = hit.any(axis=1).argmax(axis=1)  # first candidate (lowest token index) with a best move
-        return c, hit[np.arange(c.size), :, c].argmax(axis=1)
-
-    def cancel(self, delta: float, max_cycles: int) -> tuple[bool, int, np.ndarray]:
+    def cancel(self, max_cycles: int) -> tuple[bool, int, np.ndarray]:
         """Apply positive cycles until none is left (True) or ``max_cycles`` ran out with one
         still found (False). Returns that flag, the cycles applied and the final distances."""
         applied = 0
         dist = np.zeros(self.gain.shape[0], dtype=self.gain.dtype)
         while True:
-            cycles, dist = _find_cycles(self.gain, delta, dist)
+            cycles, dist = self._search(dist)
             if not cycles:
                 return True, applied, dist
             if applied >= max_cycles:
                 return False, applied, dist
             cycles = cycles[: max_cycles - applied]
             applied += len(cycles)
-            a = np.array([v for cycle in cycles for v in cycle])
-            b = np.array([v for cycle in cycles for v in cycle[1:] + cycle[:1]])
-            c, j = self.movers(a, b)  # disjoint cycles: all these moves are valid together
-            self.out[c, j] = b
-            self.moved(c)  # repeats are harmless
+            self._apply(cycles)
 
+    def _search(self, start: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
+        """Node-disjoint cycles whose moves gain more than ``delta`` each on average, and the
+        longest-path distances (E,): converged ones (prices) when there is no cycle, the ones
+        reached so far otherwise (a warm start for the next search).
 
-def _find_cycles(gain: np.ndarray, delta: float, start: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
-    """Node-disjoint cycles whose moves gain more than ``delta`` each on average, and the
-    longest-path distances (E,): converged ones (prices) when there is no cycle, the ones
-    reached so far otherwise (a warm start for the next call).
-
-    Bellman-Ford for longest paths, from the distances ``start`` (any start is sound: a cycle of
-    the parent pointers set here is always a positive cycle, and distances that no edge can
-    raise prove that no positive cycle is left; starting from the last call's distances saves
-    most rounds after a few tokens moved). The start is shifted so its largest value is 0: the
-    distances only grow within a search, and in float32 large values would swallow gains of
-    the order of ``delta``. Cycles of a functional graph never share a node.
-    Converged distances are prices under which every move gains at most ``delta``. At most
-    E + 1 rounds. (Measured and rejected: collecting more disjoint cycles after the first ones
-    by taking their nodes out; the later cycles gain less and more cycles are applied in all.)
-    """
-    n = gain.shape[0]
-    w_in = np.ascontiguousarray((gain - delta).T)  # w_in[b, a]: the edge a -> b, rows contiguous
-    dist = start - start.max()  # a constant shift changes nothing but keeps the values small
-    parent = np.full(n + 1, n, dtype=np.int64)  # n: no parent (a sink that points to itself)
-    rows = np.arange(n)
-    through = np.empty_like(w_in)
-    steps = max(1, (n + 1).bit_length())
-    for rnd in range(n + 1):
-        np.add(w_in, dist, out=through)  # through[b, a] = dist[a] + w(a -> b)
-        arg = through.argmax(axis=1)  # first maximal index on ties
-        cand = through[rows, arg]
-        changed = cand > dist
-        if not changed.any():
-            return [], dist
-        dist = np.maximum(dist, cand)
-        parent[:n] = np.where(changed, arg, parent[:n])
-        if rnd % 2 == 0 and rnd < n:  # look for a parent cycle every other round (and the last)
-            continue
-        reach = parent
-        for _ in range(steps):  # n + 1 steps along the pointers, by doubling
-            reach = reach[reach]
-        ends = reach[:n]  # n + 1 steps from anywhere end on a cycle or at the sink
-        if ends.min() < n:
-            return _parent_cycles(parent[:n].tolist(), ends[ends < n].tolist()), dist
-    raise AssertionError("Bellman-Ford changed for E + 1 rounds without a parent cycle")  # impossible
+        Bellman-Ford for longest paths, from the distances ``start`` (any start is sound: a
+        cycle of the parent pointers set here is always a positive cycle, and distances that
+        no edge can raise prove that no positive cycle is left; starting from the last
+        search's distances saves most rounds after a few tokens moved). The start is shifted
+        so its largest value is 0: the distances only grow within a search, and in float32
+        large values would swallow gains of the order of ``delta``. Cycles of a functional
+        graph never share a node. Converged distances are prices under which every move gains
+        at most ``delta``. At most E + 1 rounds. (Measured and rejected: collecting more
+        disjoint cycles after the first ones by taking their nodes out; the later cycles gain
+        less and more cycles are applied in all.)
+        """
+        n = self.w_in.shape[0]
+        dist = start - start.max()  # a constant shift changes nothing but keeps the values small
+        parent, through, rows = self.parent, self.through, self.rows
+        parent.fill(n)  # n: no parent (a sink that points to itself)
+        steps = max(1, (n + 1).bit_length())
+        for rnd in range(n + 1):
+            np.add(self.w_in, dist, out=through)  # through[b, a] = dist[a] + w(a -> b)
+            arg = through.argmax(axis=1)  # first maximal index on ties
+            cand = through[rows, arg]
+            changed = cand > dist
+            if not np.count_nonzero(changed):
+                return [], dist
+            np.maximum(dist, cand, out=dist)
+            np.copyto(parent[:n], arg, where=changed)
+            if rnd % 2 == 0 and rnd < n:  # look for a parent cycle every other round (and the last)
+                continue
+            reach = parent
+            for _ in range(steps):  # n + 1 steps along the pointers, by doubling
+                reach = reach[reach]
+            ends = np.bincount(reach[:n], minlength=n + 1)[:n]  # n + 1 steps end on a cycle or at the sink
+            if np.count_nonzero(ends):
+                return _parent_cycles(parent[:n].tolist(), ends.nonzero()[0].tolist()), dist
+        raise AssertionError("Bellman-Ford changed for E + 1 rounds without a parent cycle")  # impossible
 
 
 def _parent_cycles(par: list[int], on_cycles: list[int]) -> list[list[int]]:
@@ -253,8 +271,8 @@ def cancel_cycles(
     band = max(band, 1e-3)
     applied = 0
     while True:
-        graph = _Graph(_host(s_ET.index_select(1, tok)), _host(out_TK.index_select(0, tok)))
-        done, n, dist = graph.cancel(delta, max_cycles - applied)
+        graph = _Graph(_host(s_ET.index_select(1, tok)), _host(out_TK.index_select(0, tok)), delta)
+        done, n, dist = graph.cancel(max_cycles - applied)
         applied += n
         out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
         if not done:
