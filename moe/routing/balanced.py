@@ -540,7 +540,8 @@ def balanced_assignment(
         _fill(s, out, cap, p)
         budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
-        if not cancel_cycles(s, out, max_cycles=budget, delta=delta, candidates=torch.nonzero(near).flatten()):
+        candidates = torch.nonzero(near).flatten()
+        if not cancel_cycles(s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin)):
             warnings.warn(
                 f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
                 "optimality certificate passed; the assignment is balanced but may be suboptimal",

@@ -253,6 +253,7 @@ def cancel_cycles(
     delta: float,
     candidates: Tensor | None = None,
     band: float = 0.005,
+    basis: tuple[Tensor, Tensor] | None = None,
 ) -> bool:
     """Improve a complete balanced assignment ``out`` by positive exchange cycles, in place
     (cycles keep every load, so the capacities are those of ``out``).
@@ -264,10 +265,17 @@ def cancel_cycles(
     the band of a boundary under those prices (the failing ones included) and the search goes on.
     Returns True when every token passes (the assignment is then optimal up to ``delta`` per
     move), False if ``max_cycles`` cycles were applied first. Scores must lie within [-1, 1].
+
+    ``basis = (prices (E,), margin (T,))`` says how the candidates were chosen: every other token
+    holds its K best experts under ``prices``, ahead of the rest by at least ``margin[t]``. Under
+    new prices such a token is still ahead unless its margin is below the spread of the price
+    changes (the largest minus the smallest), so the first check reads only those tokens.
     """
     if bool((out_TK < 0).any()):
         raise ValueError("cancel_cycles needs a complete assignment (found slots of -1)")
-    tok = torch.arange(s_ET.shape[1], device=s_ET.device) if candidates is None else candidates
+    num_tokens = s_ET.shape[1]
+    tok = torch.arange(num_tokens, device=s_ET.device) if candidates is None else candidates
+    is_candidate = torch.zeros(num_tokens, dtype=torch.bool, device=s_ET.device).index_fill_(0, tok, True)
     band = max(band, 1e-3)
     applied = 0
     while True:
@@ -278,8 +286,16 @@ def cancel_cycles(
         if not done:
             return False
         prices = torch.from_numpy(dist).to(device=s_ET.device, dtype=s_ET.dtype)
-        bad = violations(s_ET, prices, out_TK, delta)
-        if bad.numel() == 0 or torch.isin(bad, tok).all():  # every token passes (candidates do by construction)
+        if basis is None:
+            bad = violations(s_ET, prices, out_TK, delta)
+        else:
+            shift = prices - basis[0].view(-1)
+            reach = float(shift.max() - shift.min()) + delta + 1e-5  # 1e-5: far above rounding in [-1, 1]
+            near = torch.nonzero((basis[1] < reach) & ~is_candidate).flatten()
+            bad = near[violations(s_ET.index_select(1, near), prices, out_TK.index_select(0, near), delta)]
+        if bad.numel() == 0 or bool(is_candidate[bad].all()):  # candidates pass by construction
             return True
         band *= 2  # grow geometrically: a few rebuilds at most
         tok = torch.unique(torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)]))
+        is_candidate.index_fill_(0, tok, True)
+        basis = None  # the new candidates come from these prices: check every token from now on

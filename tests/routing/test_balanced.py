@@ -15,6 +15,7 @@ from moe.routing import (
     expert_capacities,
 )
 from moe.routing.balanced import _fill
+from moe.routing.exchange import cancel_cycles
 
 KINDS = ("gauss", "int", "one_expert", "huge", "tiny", "equal")
 
@@ -274,6 +275,29 @@ def test_fill_exchanges_when_every_open_expert_is_held():
     out = torch.tensor([[0, -1], [1, 2], [1, 2]])
     _fill(scores.T.contiguous(), out, expert_capacities(3, 3, 2))
     check_feasible(out, 3, 3, 2)
+
+
+def test_certificate_with_a_basis_reads_the_tokens_the_price_change_reaches():
+    # Two experts with scores x and 0: expert 0 should take the n largest x. The basis prices put
+    # the boundary too low, so more than n tokens prefer expert 0; the excess, the ones that
+    # prefer it most, wait at expert 1 as candidates, and every other token holds its best under
+    # the basis. No cycle runs among the candidates alone, and the tokens that must move hold
+    # their best by far more than the band: only their distance to the price change finds them.
+    n = 50
+    x = torch.linspace(-0.9, -0.1, 2 * n, dtype=torch.float64)
+    s_ET = torch.stack([x, torch.zeros_like(x)])
+    prices = torch.tensor([-0.7, 0.0], dtype=torch.float64)
+    margin = (x - prices[0]).abs()
+    prefer0 = torch.nonzero(x > prices[0]).flatten()
+    excess = prefer0[n:]  # sorted by x: the largest
+    out = (x <= prices[0]).long()[:, None]
+    out[excess] = 1
+    candidates = torch.nonzero((margin < 0.005) | (out[:, 0] != (x <= prices[0]).long())).flatten()
+    optimum = float(x.sort().values[n:].sum())
+    assert float(x[out[:, 0] == 0].sum()) < optimum - 1.0  # the start is far from the optimum
+    assert cancel_cycles(s_ET, out, max_cycles=1000, delta=1e-9, candidates=candidates, basis=(prices, margin))
+    assert torch.equal(torch.bincount(out[:, 0], minlength=2), torch.tensor([n, n]))
+    assert float(x[out[:, 0] == 0].sum()) == pytest.approx(optimum, abs=1e-12)
 
 
 @pytest.mark.parametrize(
