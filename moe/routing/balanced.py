@@ -85,7 +85,7 @@ def _check_options(max_iters: int, max_cycles: int | None, eps: float) -> None:
         raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
 
 
-def _normalise(scores: Tensor, jitter: float) -> Tensor:
+def _normalise(scores: Tensor, jitter: float, scratch: Tensor | None = None) -> Tensor:
     """(T, E) -> (E, T) in float32 or float64: every token's best score at 0, all in [-1, 0],
     plus a deterministic pseudo-random jitter in [0, jitter) that splits exact ties.
 
@@ -94,7 +94,8 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     range R. Huge or tiny finite inputs are divided by their largest magnitude first, so the
     differences can neither overflow nor vanish. Without the jitter, tokens with identical
     scores cannot be told apart by prices and each one costs an exchange later; with it, the
-    objective moves by less than ``jitter`` per slot. One host sync (the finiteness check and the scale).
+    objective moves by less than ``jitter`` per slot. One host sync (the finiteness check and the
+    scale). ``scratch``: an (E, T) buffer for the jitter's pattern.
     """
     dtype = torch.promote_types(scores.dtype, torch.float32)
     lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)  # per token; NaN propagates
@@ -108,10 +109,10 @@ def _normalise(scores: Tensor, jitter: float) -> Tensor:
     s = torch.sub(x.T, hi, out=x.new_empty(x.shape[::-1], dtype=dtype))
     if scale > 0:
         s.div_(scale)
-    return _add_jitter(s, jitter)
+    return _add_jitter(s, jitter, scratch)
 
 
-def _normalise_nosync(scores: Tensor, jitter: float) -> Tensor:
+def _normalise_nosync(scores: Tensor, jitter: float, scratch: Tensor | None = None) -> Tensor:
     """`_normalise` without a host sync: the input is always divided by its largest magnitude
     first, and the scale stays on the device. Nothing is checked: NaN counts as the lowest
     score and +-Inf as the largest finite ones."""
@@ -122,17 +123,18 @@ def _normalise_nosync(scores: Tensor, jitter: float) -> Tensor:
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     scale = (hi - lo).amax()
     s = (x.T - hi).div_(torch.where(scale > 0, scale, 1.0)).contiguous()
-    return _add_jitter(s, jitter)
+    return _add_jitter(s, jitter, scratch)
 
 
-def _add_jitter(s_ET: Tensor, jitter: float) -> Tensor:
+def _add_jitter(s_ET: Tensor, jitter: float, scratch: Tensor | None = None) -> Tensor:
     """``s += jitter * frac(t * phi + e * psi)``, in place: a fixed low-discrepancy pattern in
-    [0, jitter) that splits exact ties."""
+    [0, jitter) that splits exact ties (made in ``scratch``, an (E, T) buffer, when given)."""
     if jitter > 0:
         num_experts, num_tokens = s_ET.shape
         u = (torch.arange(num_tokens, device=s_ET.device, dtype=torch.float64) * 0.6180339887498949).frac()
         v = (torch.arange(num_experts, device=s_ET.device, dtype=torch.float64) * 0.7548776662466927).frac()
-        s_ET.add_((u.to(s_ET.dtype) + v.to(s_ET.dtype)[:, None]).frac_(), alpha=jitter)
+        pattern = torch.add(u.to(s_ET.dtype), v.to(s_ET.dtype)[:, None], out=scratch)
+        s_ET.add_(pattern.frac_(), alpha=jitter)
     return s_ET
 
 
@@ -153,25 +155,28 @@ def _top_values(a_ET: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 class _Work:
-    """Work buffers shaped like the (E, T) scores, reused by every pass of one solve: a fresh
-    large tensor costs a page fault per 4 KiB on first touch, which on CPU is as slow as the
-    arithmetic itself. Also the histogram count: ``torch.bincount`` where a host sync is
-    allowed and costs nothing (CPU: 270 against 440 us for the 262k values of 4096 x 64), else
-    the sync-free `bincount`."""
+    """Work buffers shaped like the (E, T) normalised scores of ``scores_TE``, reused by every
+    pass of one solve. A fresh large tensor costs a page fault per 4 KiB on first touch, and
+    after other work has filled the caches every buffer is read back from memory: on CPU both
+    are as slow as the arithmetic, so the passes share two (E, T) buffers, ``a`` and ``b``,
+    and a small one. Also the histogram count: ``torch.bincount`` where a host sync is allowed
+    and costs nothing (CPU: 270 against 440 us for the 262k values of 4096 x 64), else the
+    sync-free `bincount`."""
 
-    def __init__(self, s_ET: Tensor, syncs_allowed: bool = False) -> None:
-        num_experts, num_tokens = s_ET.shape
-        if syncs_allowed and s_ET.device.type == "cpu":
+    def __init__(self, scores_TE: Tensor, syncs_allowed: bool = False) -> None:
+        num_tokens, num_experts = scores_TE.shape
+        like = {"dtype": torch.promote_types(scores_TE.dtype, torch.float32), "device": scores_TE.device}
+        if syncs_allowed and scores_TE.device.type == "cpu":
             self.count = lambda x, n: torch.bincount(x.reshape(-1), minlength=n)
         else:
             self.count = bincount
         half = max(1, num_experts // 2)
-        self.a = torch.empty_like(s_ET)
-        self.b = torch.empty_like(s_ET)
-        self.hi = s_ET.new_empty(half, num_tokens)
-        self.lo = s_ET.new_empty(half, num_tokens)
-        self.tmp = s_ET.new_empty(max(1, half // 2), num_tokens)
-        self.idx = torch.empty(s_ET.shape, dtype=torch.int32, device=s_ET.device)
+        self.a = torch.empty(num_experts, num_tokens, **like)
+        self.b = torch.empty(num_experts, num_tokens, **like)
+        self.hi, self.lo = self.b[:half], self.b[half : 2 * half]  # `_top2` is done before b is written again
+        self.tmp = torch.empty(max(1, half // 2), num_tokens, **like)
+        # histogram bins: written once the values in a (the margins) are clamped into b
+        self.idx = self.a.view(-1).view(torch.int32)[: num_experts * num_tokens].view(num_experts, num_tokens)
 
     def shifted(self, s_ET: Tensor, p: Tensor) -> Tensor:
         """``s - p`` in buffer ``a``."""
@@ -524,9 +529,9 @@ def balanced_assignment(
     num_tokens, num_experts = scores_TE.shape
     device = scores_TE.device
     with torch.inference_mode():  # cheaper per op than no_grad; the result is cloned out of it
-        s = _normalise(scores_TE, jitter=eps / 2)
+        work = _Work(scores_TE, syncs_allowed=True)
+        s = _normalise(scores_TE, jitter=eps / 2, scratch=work.a)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
-        work = _Work(s, syncs_allowed=True)
         p, pairs = _prices(s, cap, k, max_iters, work)
         picked = None if pairs is None else pairs.select(p, cap)
         out, margin = _select(s, p, k, cap, work) if picked is None else picked
@@ -573,9 +578,9 @@ def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int 
     num_tokens, num_experts = scores_TE.shape
     device = scores_TE.device
     with torch.no_grad():
-        s = _normalise_nosync(scores_TE, jitter=eps / 2)
+        work = _Work(scores_TE)
+        s = _normalise_nosync(scores_TE, jitter=eps / 2, scratch=work.a)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
-        work = _Work(s)
         # ever finer windows as the prices settle (measured: half the gap of width 1)
         p = _jacobi_prices(s, cap, k, max_iters, s.new_zeros(num_experts, 1), work=work, widths=_APPROX_WIDTHS)[0]
         out, margin = _select(s, p, k, cap, work)

@@ -5,7 +5,7 @@ Legend: T tokens, D model dim, E experts, K slots per token.
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from moe.routing import RouterConfig, SinkhornRouter, load_balancing_loss, router_z_loss, sinkhorn
@@ -40,8 +40,9 @@ def _check_result(res, T, K, E):
 
 
 @given(T=st.integers(1, 16), E=st.integers(1, 8), scale=st.sampled_from([0.1, 1.0, 2.0]), seed=st.integers(0, 2**16))
+@example(T=2, E=2, scale=2.0, seed=58842)  # a strong diagonal converges slowly: 1e-3 off after 100 iterations
 def test_plan_marginals_after_enough_iterations(T, E, scale, seed):
-    plan = sinkhorn(_logits(T, E, seed, scale), 100, 1.0).exp()
+    plan = sinkhorn(_logits(T, E, seed, scale), 300, 1.0).exp()
     assert plan.shape == (T, E) and plan.dtype == torch.float32
     torch.testing.assert_close(plan.sum(1), torch.ones(T), rtol=0, atol=1e-5)
     torch.testing.assert_close(plan.sum(0), torch.full((E,), T / E), rtol=1e-3, atol=1e-5)
