@@ -89,9 +89,13 @@ class _Graph:
         to every expert, -inf to the experts the token holds."""
         held = self.out[tokens]  # (N, K)
         s = self.s_CE[tokens]  # (N, E)
-        rows = np.arange(tokens.size)[:, None]
-        gain = s[:, None, :] - s[rows, held][:, :, None]  # (N, K, E)
-        gain[rows[:, :, None], np.arange(held.shape[1])[None, :, None], held[:, None, :]] = -np.inf
+        rows = np.arange(tokens.size)
+        if held.shape[1] == 1:  # fewer and smaller calls: this runs once per cycle
+            gain = s - s[rows, held[:, 0]][:, None]
+            gain[rows, held[:, 0]] = -np.inf
+            return gain
+        gain = s[:, None, :] - s[rows[:, None], held][:, :, None]  # (N, K, E)
+        gain[rows[:, None, None], np.arange(held.shape[1])[None, :, None], held[:, None, :]] = -np.inf
         return gain.reshape(-1, s.shape[1])
 
     def _movers(self, a: list[int], b: list[int]) -> np.ndarray:
@@ -214,7 +218,7 @@ def fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E
     rows = np.arange(n)
     a = s_EN.T - p_E[None]  # (N, E)
     while True:
-        short = np.flatnonzero((out_NK < 0).any(axis=1))
+        short = (out_NK < 0).any(axis=1).nonzero()[0]
         if short.size == 0:
             return
         held = np.zeros((short.size, num_experts + 1), dtype=bool)
@@ -230,12 +234,11 @@ def fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E
         margin = top[ok] - sub[ok].max(axis=1)  # inf when only one expert is allowed
         order = ok[np.lexsort((ok, -margin, best[ok]))]  # by expert, margin down, token up
         e = best[order]
-        first = np.flatnonzero(np.concatenate([[True], e[1:] != e[:-1]]))
-        rank = np.arange(order.size) - np.repeat(first, np.diff(np.append(first, order.size)))
+        rank = np.arange(order.size) - np.searchsorted(e, e)  # place among the claimants of its expert
         win = order[rank < deficit_E[e]]
         tok = short[win]
         out_NK[tok, (out_NK[tok] < 0).argmax(axis=1)] = best[win]
-        np.subtract.at(deficit_E, best[win], 1)
+        deficit_E -= np.bincount(best[win], minlength=num_experts)
 
 
 def _host(x: Tensor) -> np.ndarray:
