@@ -531,12 +531,12 @@ def balanced_assignment(
     Algorithm (docs/routing.md): estimate the E dual prices; every token picks its K best experts
     under them, full experts keep their highest-margin tokens and the dropped slots go to the
     best experts with room; then exchange cycles between experts remove every improvement, and
-    a one-pass check of every token against the final prices certifies the result. Every loop is
+    a check of every token against the final prices certifies the result. Every loop is
     bounded, and the output is a deterministic function of the input.
 
     Host syncs: none inside the price iterations; one for the normalisation, one or two to
-    decide how many full price updates to run, one to list the pairs near each token's best, a
-    few for the pick and the refill, a few copies of the candidates' scores and slots to the
+    decide how many full price updates to run, two to list the pairs near each token's best and
+    size their table, a few for the pick and the refill, a few copies of the candidates' scores and slots to the
     host (the refill and the exchange-cycle search run there, in numpy, on (E, C) and (E, E)
     arrays) and their slots back, and a few per certificate check (usually one check). A
     bounded number, whatever the input.
