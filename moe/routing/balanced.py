@@ -321,12 +321,15 @@ class _Pairs:
         self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
         self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
         count = work.count(self.e_M, self.num_experts)
-        # L > every need, so the need-th and (need+1)-th largest lie in the row (-inf when missing)
-        size = torch.maximum(count, cap_E).max().add_(1)
+        # L > every cap, so the cap-th and (cap+1)-th largest lie in the row (-inf when missing)
+        size = int(torch.maximum(count, cap_E).max()) + 1
         first = count.cumsum(0) - count  # the pairs are grouped by expert
         index = torch.arange(self.e_M.numel(), device=s_ET.device)
         self.cell_M = self.e_M * size + index - first.index_select(0, self.e_M)
-        self.table = s_ET.new_full((self.num_experts, int(size)), float("-inf"))
+        self.table = s_ET.new_full((self.num_experts, size), float("-inf"))
+        at = (size - cap_E).clamp_(max=size - 1)  # the column of the cap-th largest, rows sorted up
+        self.pick = torch.stack([at, at - 1], dim=1)
+        self.idle = cap_E == 0  # experts that take no token: their price only rises
 
     def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Pair scores under p less their token's best (M,: 0 at the best, else < 0), each token's
@@ -340,25 +343,25 @@ class _Pairs:
         m2 = torch.maximum(self.empty.scatter_reduce(0, self.t_M, rest, reduce="amax"), m1 - self.width)
         return gap_M, m1, m2, a_M - m2.index_select(0, self.t_M)
 
-    def jacobi(self, p: Tensor, target_E: Tensor, iters: int, omega: float = 0.7) -> Tensor:
-        """The damped Jacobi updates of `_jacobi_prices` on the pairs; a move is at most width."""
+    def jacobi(self, p: Tensor, iters: int, omega: float = 0.7) -> Tensor:
+        """The damped Jacobi updates of `_jacobi_prices` on the pairs, towards the capacities;
+        a move is at most width."""
         for _ in range(iters):
             gap_M, _, _, above_M = self._top2(p)
             d_M = gap_M.add_(above_M.relu_())  # the margins of `_margins`
-            p = torch.add(p, self._quantiles(d_M, target_E)[:, None], alpha=omega)
+            p = torch.add(p, self._quantiles(d_M)[:, None], alpha=omega)
         return p
 
-    def _quantiles(self, d_M: Tensor, need_E: Tensor) -> Tensor:
-        """Where ``need[e]`` of expert e's values lie above: the midpoint of the need-th and
-        (need+1)-th largest, clamped to [-width, width] (width when it needs none), (E,)."""
-        self.table.view(-1)[self.cell_M] = d_M
+    def _quantiles(self, d_M: Tensor) -> Tensor:
+        """Where ``cap[e]`` of expert e's values lie above: the midpoint of the cap-th and
+        (cap+1)-th largest, clamped to [-width, width] (width when it takes none), (E,)."""
+        self.table.view(-1).index_copy_(0, self.cell_M, d_M)
         if self.table.device.type == "cpu":  # numpy's row sort: 19 against 240 us at 64 x 220
             rows = torch.from_numpy(np.sort(self.table.numpy(), axis=1))
         else:
             rows = self.table.sort(dim=1).values
-        at = (rows.shape[1] - need_E).clamp_(max=rows.shape[1] - 1)[:, None]  # the need-th largest
-        mid = (rows.gather(1, at) + rows.gather(1, at - 1)).mul_(0.5).flatten()
-        return torch.where(need_E > 0, mid.clamp_(-self.width, self.width), self.width)
+        mid = rows.gather(1, self.pick).sum(dim=1).mul_(0.5)
+        return torch.where(self.idle, self.width, mid.clamp_(-self.width, self.width))
 
     def select(self, p: Tensor, cap_E: Tensor) -> tuple[Tensor, Tensor] | None:
         """`_select` for K = 1 from the pairs, or None when the prices moved too far for them."""
@@ -406,7 +409,7 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) ->
         p, last = _jacobi_prices(s_ET, cap_E, k, 1, p, work=work)
         dense = 2
     pairs = _Pairs(s_ET, p, float(last.clamp(0.02, 0.05)), cap_E, work)  # wide enough for the moves still to come
-    return pairs.jacobi(p, cap_E, max_iters - dense), pairs
+    return pairs.jacobi(p, max_iters - dense), pairs
 
 
 def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work) -> tuple[Tensor, Tensor]:
