@@ -433,12 +433,12 @@ def _select(s_ET: Tensor, p: Tensor, k: int, cap_E: Tensor, work: _Work) -> tupl
     return torch.where(keep, expert, -1).view(num_tokens, k), margin_TK[k - 1]
 
 
-def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> None:
+def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> int:
     """Give token t one more slot when every expert with room already holds t.
 
     Some other token u moves from an expert f (that t lacks) to an expert d with room (that u
     lacks), and t takes f. Such a (u, f, d) always exists under the capacity rule of
-    `expert_capacities` (docs/routing.md); the best-scoring one is applied in place.
+    `expert_capacities` (docs/routing.md); the best-scoring one is applied in place. Returns u.
     """
     num_experts = s_ET.shape[0]
     held = held_mask(out, num_experts)
@@ -458,28 +458,30 @@ def _swap_in(s_ET: Tensor, out: Tensor, t: int, deficit: Tensor) -> None:
     slot = int(torch.nonzero(out[t] < 0)[0])
     out[t, slot] = out[u, j]
     out[u, j] = d
+    return u
 
 
-def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> None:
+def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> list[int]:
     """Complete a partial assignment in place, greedily: each pass gives every short token its
     best expert with room under prices ``p`` (experts keep the claimants with the largest
     margins); when a pass places nothing (every expert with room already holds the short
     tokens) one exchange (`_swap_in`) makes room. The passes run on the host, over the short
-    tokens; at most T * K of them.
+    tokens; at most T * K of them. Returns the tokens such exchanges moved (they were complete).
     """
     num_experts = s_ET.shape[0]
     prices = np.zeros(num_experts) if p is None else p.detach().double().cpu().numpy().ravel()
+    moved = []
     while True:
         short = torch.nonzero((out < 0).any(dim=1)).flatten()
         if short.numel() == 0:
-            return
+            return moved
         deficit = cap_E - _loads(out, num_experts)
         sub_out = out[short].cpu().numpy()
         fill_passes(s_ET[:, short].double().cpu().numpy(), sub_out, deficit.cpu().numpy(), prices)
         out[short] = torch.from_numpy(sub_out).to(out.device)
         stuck = torch.nonzero((out < 0).any(dim=1)).flatten()
         if stuck.numel():
-            _swap_in(s_ET, out, int(stuck[0]), cap_E - _loads(out, num_experts))
+            moved.append(_swap_in(s_ET, out, int(stuck[0]), cap_E - _loads(out, num_experts)))
 
 
 def _nothing_to_solve(
@@ -563,7 +565,9 @@ def balanced_assignment(
             out, margin = _select(s, p, k, cap, work)
         # candidates for exchange cycles: tokens near a boundary under p, and those refilled
         near = (margin < 0.005) | (out < 0).any(dim=1)
-        _fill(s, out, cap, p)
+        swapped = _fill(s, out, cap, p)
+        if swapped:  # moved off their best experts by the fill's exchanges
+            near[swapped] = True
         budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
         candidates = torch.nonzero(near).flatten()
