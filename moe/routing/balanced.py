@@ -520,7 +520,8 @@ def balanced_assignment(
         scores_TE: (T, E) finite floating scores (higher is better). Not differentiated.
         k: experts per token, 1 <= k <= E.
         max_iters: price iterations (damped Jacobi). Up to three more rounds of as many run
-            when the pick under the prices still drops over 1% of the slots (tie-heavy scores).
+            when the pick under the prices still drops over 1% of the slots and over E of
+            them (tie-heavy scores).
         eps: resolution, relative to the largest per-token score range R: an exchange cycle is
             applied only when it gains more than ``eps * R`` per move, and ties are split by a
             deterministic jitter below ``eps * R / 2``. Finite and > 0.
@@ -559,7 +560,7 @@ def balanced_assignment(
         picked = None if pairs is None else pairs.select(p, cap)
         out, margin = _select(s, p, k, cap, work) if picked is None else picked
         for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
-            if int((out < 0).sum()) <= num_tokens * k // 100:
+            if int((out < 0).sum()) <= max(num_tokens * k // 100, num_experts):
                 break
             p = _jacobi_prices(s, cap, k, max(max_iters, 2), p, work=work)[0]
             out, margin = _select(s, p, k, cap, work)
