@@ -308,10 +308,11 @@ class _Pairs:
     best, so the pairs further away are left out (about 1.5 to 3 pairs per token remain on
     typical scores). While no price has moved ``width`` more than another since ``p0``, no pair
     left out can beat a token's best pair, so the pairs alone give every token's pick. Every
-    token's runner-up is taken as at least ``width`` below its best (the pairs left out are
-    further down). The order statistics of the updates are exact: each expert's values go to
-    one row of an (E, L) table padded with -inf and the rows are sorted. Two host syncs (to list
-    the pairs and to size the table).
+    token's runner-up is taken as at least ``width`` below its best (the pairs left out were
+    that far down under ``p0``; `select` lowers the margins by the prices' moves since). The
+    order statistics of the updates are exact: each expert's values go to one row of an (E, L)
+    table padded with -inf and the rows are sorted. Two host syncs (to list the pairs and to
+    size the table).
     """
 
     def __init__(self, s_ET: Tensor, p0: Tensor, width: float, cap_E: Tensor, work: _Work) -> None:
@@ -333,8 +334,8 @@ class _Pairs:
 
     def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Pair scores under p less their token's best (M,: 0 at the best, else < 0), each token's
-        best and runner-up (T,), the runner-up floored at best - width, and the runner-up per
-        pair (M,). Arithmetic instead of masks: on CPU a comparison or ``where`` over the pairs
+        best and runner-up (T,), the runner-up floored at best - width, and each pair's score
+        above its token's runner-up (M,). Arithmetic instead of masks: on CPU a comparison or ``where`` over the pairs
         costs 11-14 us, a float op 2-3."""
         a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
         m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
@@ -360,19 +361,23 @@ class _Pairs:
             rows = torch.from_numpy(np.sort(self.table.numpy(), axis=1))
         else:
             rows = self.table.sort(dim=1).values
-        mid = rows.gather(1, self.pick).sum(dim=1).mul_(0.5)
-        return torch.where(self.idle, self.width, mid.clamp_(-self.width, self.width))
+        # a missing (cap+1)-th value lies below the window: count it at its edge, -width
+        mid = rows.gather(1, self.pick).clamp_(min=-self.width).sum(dim=1).mul_(0.5)
+        return torch.where(self.idle, self.width, mid.clamp_(max=self.width))
 
     def select(self, p: Tensor, cap_E: Tensor) -> tuple[Tensor, Tensor] | None:
         """`_select` for K = 1 from the pairs, or None when the prices moved too far for them."""
         moved = p - self.p0
-        if float(moved.max() - moved.min()) >= self.width:
+        spread = float(moved.max() - moved.min())
+        if spread >= self.width:
             return None
         gap_M, m1, m2, _ = self._top2(p)
         at_best = self.e_M - gap_M.sign().long() * self.num_experts  # E added where not the best
         idx = self.t_M.new_full(m1.shape, self.num_experts)
         idx = idx.scatter_reduce(0, self.t_M, at_best, reduce="amin")  # lowest expert on ties
-        margin = m1 - m2
+        # a pair left out was width below the best under p0; since then it may have gained the
+        # spread of the price moves, so the margin is only known to be at least width - spread
+        margin = (m1 - m2).clamp_(max=self.width - spread)
         return _keep_best(idx, margin, cap_E)[:, None], margin
 
 
@@ -537,7 +542,7 @@ def balanced_assignment(
     Algorithm (docs/routing.md): estimate the E dual prices; every token picks its K best experts
     under them, full experts keep their highest-margin tokens and the dropped slots go to the
     best experts with room; then exchange cycles between experts remove every improvement, and
-    a check of every token against the final prices certifies the result. Every loop is
+    a check of every token the final prices could fault certifies the result. Every loop is
     bounded, and the output is a deterministic function of the input.
 
     Host syncs: none inside the price iterations; one for the normalisation, one or two to

@@ -12,7 +12,8 @@ docs/routing.md.
 
 The search is sequential and touches only the candidates' (E, C) scores and the (E, E) graph,
 so it runs on the host in numpy: one copy of the candidates' scores and slots there, one copy of
-the slots back. The certificate (every token against the final prices) runs where the scores are.
+the slots back. The certificate (the tokens the final prices could fault, against them) runs
+where the scores are.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ class _Graph:
         self.end = np.cumsum(size)
         self.begin = self.end - size
         self.g = self._gains(np.arange(num_cand))[self.slot]
-        # every edge at once: the groups padded to one length, reduced over it
-        group = flat[self.slot]
-        pad = np.full((num_experts, max(1, int(size.max())), num_experts), -np.inf, dtype=s_EC.dtype)
-        pad[group, np.arange(group.size) - self.begin[group]] = self.g
-        self.gain = pad.max(axis=1)  # gain[a, b]: the edge a -> b
+        # every edge at once: one reduction per non-empty group (the groups are contiguous)
+        self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)  # gain[a, b]: a -> b
+        filled = size > 0
+        if filled.any():
+            self.gain[filled] = np.maximum.reduceat(self.g, self.begin[filled], axis=0)
         self.w_in = np.ascontiguousarray(self.gain.T - delta)  # w_in[b, a] = gain[a, b] - delta
         self.through = np.empty_like(self.w_in)
         self.parent = np.empty(num_experts + 1, dtype=np.int64)

@@ -14,7 +14,7 @@ from moe.routing import (
     balanced_assignment_ref,
     expert_capacities,
 )
-from moe.routing.balanced import _fill
+from moe.routing.balanced import _fill, _normalise, _Pairs, _Work
 from moe.routing.exchange import cancel_cycles
 
 KINDS = ("gauss", "int", "one_expert", "huge", "tiny", "equal")
@@ -278,12 +278,35 @@ def test_fill_exchanges_when_every_open_expert_is_held():
     check_feasible(out, 3, 3, 2)
 
 
+def test_pair_margins_stay_lower_bounds_after_the_prices_move():
+    # The certificate trusts these margins. A pair left out under p0 was `width` below its
+    # token's best; when its expert's price then falls by 0.9 width (within what the pairs
+    # allow), it can come within 0.1 width of the best, and the margin must say so.
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(512, 16, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3.0, 16, dtype=torch.float64)
+    work = _Work(scores, syncs_allowed=True)
+    s = _normalise(scores, jitter=0.0)
+    cap = expert_capacities(512, 16, 1)
+    width = 0.05
+    pairs = _Pairs(s, s.new_zeros(16, 1), width, cap, work)
+    p = s.new_zeros(16, 1)
+    p[::2] -= 0.9 * width  # every other expert's price falls
+    picked = pairs.select(p, cap)
+    assert picked is not None
+    idx, margin = picked
+    top = (s - p).topk(2, dim=0).values
+    kept = idx[:, 0] >= 0
+    assert torch.equal(idx[kept, 0], (s - p).argmax(dim=0)[kept])
+    assert bool((margin <= top[0] - top[1] + 1e-12).all())
+
+
 def test_certificate_with_a_basis_reads_the_tokens_the_price_change_reaches():
     # Two experts with scores x and 0: expert 0 should take the n largest x. The basis prices put
     # the boundary too low, so more than n tokens prefer expert 0; the excess, the ones that
     # prefer it most, wait at expert 1 as candidates, and every other token holds its best under
-    # the basis. No cycle runs among the candidates alone, and the tokens that must move hold
-    # their best by far more than the band: only their distance to the price change finds them.
+    # the basis. The cycles among the candidates cannot reach the optimum, and the tokens that
+    # must move hold their best by far more than the band: only their distance to the price
+    # change finds them.
     n = 50
     x = torch.linspace(-0.9, -0.1, 2 * n, dtype=torch.float64)
     s_ET = torch.stack([x, torch.zeros_like(x)])
