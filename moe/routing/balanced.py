@@ -159,17 +159,12 @@ class _Work:
     pass of one solve. A fresh large tensor costs a page fault per 4 KiB on first touch, and
     after other work has filled the caches every buffer is read back from memory: on CPU both
     are as slow as the arithmetic, so the passes share two (E, T) buffers, ``a`` and ``b``,
-    and a small one. Also the histogram count: ``torch.bincount`` where a host sync is allowed
-    and costs nothing (CPU: 270 against 440 us for the 262k values of 4096 x 64), else the
-    sync-free `bincount`."""
+    and a small one. ``sync_ok``: the solve syncs anyway, so its counts may too (`bincount`)."""
 
-    def __init__(self, scores_TE: Tensor, syncs_allowed: bool = False) -> None:
+    def __init__(self, scores_TE: Tensor, sync_ok: bool = False) -> None:
         num_tokens, num_experts = scores_TE.shape
         like = {"dtype": torch.promote_types(scores_TE.dtype, torch.float32), "device": scores_TE.device}
-        if syncs_allowed and scores_TE.device.type == "cpu":
-            self.count = lambda x, n: torch.bincount(x.reshape(-1), minlength=n)
-        else:
-            self.count = bincount
+        self.sync_ok = sync_ok
         half = max(1, num_experts // 2)
         self.a = torch.empty(num_experts, num_tokens, **like)
         self.b = torch.empty(num_experts, num_tokens, **like)
@@ -245,7 +240,7 @@ def _row_quantiles(
     pos = torch.clamp(v, min=0.5 / scale - width, max=width, out=buf)
     pos = torch.add(row_base, pos, alpha=-scale, out=buf)  # bin 0 holds the largest values
     idx = pos.to(torch.int32) if work is None else work.idx.copy_(pos)
-    hist = (bincount if work is None else work.count)(idx, num_rows * bins).view(num_rows, bins)
+    hist = bincount(idx, num_rows * bins, sync_ok=work is not None and work.sync_ok).view(num_rows, bins)
     cum = hist.cumsum(1)  # values in this bin or a higher one
     need = need[:, None]
     j = torch.searchsorted(cum, need).clamp_(max=bins - 1)  # the bin holding the need-th largest
@@ -321,7 +316,7 @@ class _Pairs:
         self.s_M = s_ET[self.e_M, self.t_M]
         self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
         self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
-        count = work.count(self.e_M, self.num_experts)
+        count = bincount(self.e_M, self.num_experts, sync_ok=True)
         # L > every cap, so the cap-th and (cap+1)-th largest lie in the row (-inf when missing)
         size = int(torch.maximum(count, cap_E).max()) + 1
         first = count.cumsum(0) - count  # the pairs are grouped by expert
@@ -330,13 +325,14 @@ class _Pairs:
         self.table = s_ET.new_full((self.num_experts, size), float("-inf"))
         at = (size - cap_E).clamp_(max=size - 1)  # the column of the cap-th largest, rows sorted up
         self.pick = torch.stack([at, at - 1], dim=1)
+        self.cap_E = cap_E
         self.idle = cap_E == 0  # experts that take no token: their price only rises
 
     def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Pair scores under p less their token's best (M,: 0 at the best, else < 0), each token's
         best and runner-up (T,), the runner-up floored at best - width, and each pair's score
-        above its token's runner-up (M,). Arithmetic instead of masks: on CPU a comparison or ``where`` over the pairs
-        costs 11-14 us, a float op 2-3."""
+        above its token's runner-up (M,). Arithmetic instead of masks: on CPU a comparison or
+        ``where`` over the pairs costs 11-14 us, a float op 2-3."""
         a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
         m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
         gap_M = a_M - m1.index_select(0, self.t_M)
@@ -365,7 +361,7 @@ class _Pairs:
         mid = rows.gather(1, self.pick).clamp_(min=-self.width).sum(dim=1).mul_(0.5)
         return torch.where(self.idle, self.width, mid.clamp_(max=self.width))
 
-    def select(self, p: Tensor, cap_E: Tensor) -> tuple[Tensor, Tensor] | None:
+    def select(self, p: Tensor) -> tuple[Tensor, Tensor] | None:
         """`_select` for K = 1 from the pairs, or None when the prices moved too far for them."""
         moved = p - self.p0
         spread = float(moved.max() - moved.min())
@@ -378,7 +374,7 @@ class _Pairs:
         # a pair left out was width below the best under p0; since then it may have gained the
         # spread of the price moves, so the margin is only known to be at least width - spread
         margin = (m1 - m2).clamp_(max=self.width - spread)
-        return _keep_best(idx, margin, cap_E)[:, None], margin
+        return _keep_best(idx, margin, self.cap_E)[:, None], margin
 
 
 def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
@@ -547,9 +543,9 @@ def balanced_assignment(
 
     Host syncs: none inside the price iterations; one for the normalisation, one or two to
     decide how many full price updates to run, two to list the pairs near each token's best and
-    size their table, a few for the pick and the refill, a few copies of the candidates' scores and slots to the
-    host (the refill and the exchange-cycle search run there, in numpy, on (E, C) and (E, E)
-    arrays) and their slots back, and a few per certificate check (usually one check). A
+    size their table, a few for the pick and the refill, a few copies of the candidates' scores
+    and slots to the host (the refill and the exchange-cycle search run there, in numpy, on
+    (E, C) and (E, E) arrays) and their slots back, and a few per certificate check (usually one check). A
     bounded number, whatever the input.
     """
     trivial = _nothing_to_solve(scores_TE, k, max_iters, max_cycles, eps, check_finite=True)
@@ -558,11 +554,11 @@ def balanced_assignment(
     num_tokens, num_experts = scores_TE.shape
     device = scores_TE.device
     with torch.inference_mode():  # cheaper per op than no_grad; the result is cloned out of it
-        work = _Work(scores_TE, syncs_allowed=True)
+        work = _Work(scores_TE, sync_ok=True)
         s = _normalise(scores_TE, jitter=eps / 2, scratch=work.a)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
         p, pairs = _prices(s, cap, k, max_iters, work)
-        picked = None if pairs is None else pairs.select(p, cap)
+        picked = None if pairs is None else pairs.select(p)
         out, margin = _select(s, p, k, cap, work) if picked is None else picked
         for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
             if int((out < 0).sum()) <= max(num_tokens * k // 100, num_experts):

@@ -28,11 +28,14 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def bincount(x: Tensor, n: int) -> Tensor:
+def bincount(x: Tensor, n: int, *, sync_ok: bool = False) -> Tensor:
     """``torch.bincount(x, minlength=n)`` (int64) for integer ``x`` in [0, n), without a host
-    sync: CUDA's bincount reads max(x) back to size its output; this adds ones into n bins
-    (as fast as bincount on CPU, measured)."""
+    sync: CUDA's bincount reads max(x) back to size its output; this adds ones into n bins.
+    ``sync_ok``: the caller syncs anyway, so on CPU (where there is nothing to wait for) take
+    bincount itself, which is faster there (270 against 440 us for 262k values)."""
     flat = x.reshape(-1)
+    if sync_ok and flat.device.type == "cpu":
+        return torch.bincount(flat, minlength=n)
     ones = torch.ones(1, dtype=torch.int64, device=x.device).expand(flat.numel())
     return torch.zeros(n, dtype=torch.int64, device=x.device).index_add_(0, flat, ones)
 

@@ -284,14 +284,14 @@ def test_pair_margins_stay_lower_bounds_after_the_prices_move():
     # allow), it can come within 0.1 width of the best, and the margin must say so.
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(512, 16, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3.0, 16, dtype=torch.float64)
-    work = _Work(scores, syncs_allowed=True)
+    work = _Work(scores, sync_ok=True)
     s = _normalise(scores, jitter=0.0)
     cap = expert_capacities(512, 16, 1)
     width = 0.05
     pairs = _Pairs(s, s.new_zeros(16, 1), width, cap, work)
     p = s.new_zeros(16, 1)
     p[::2] -= 0.9 * width  # every other expert's price falls
-    picked = pairs.select(p, cap)
+    picked = pairs.select(p)
     assert picked is not None
     idx, margin = picked
     top = (s - p).topk(2, dim=0).values
