@@ -367,10 +367,16 @@ class _Pairs:
         spread = float(moved.max() - moved.min())
         if spread >= self.width:
             return None
-        gap_M, m1, m2, _ = self._top2(p)
-        at_best = self.e_M - gap_M.sign().long() * self.num_experts  # E added where not the best
+        a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
+        m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
+        at_best = (
+            self.e_M - (a_M - m1.index_select(0, self.t_M)).sign().long() * self.num_experts
+        )  # E added where not the best
         idx = self.t_M.new_full(m1.shape, self.num_experts)
         idx = idx.scatter_reduce(0, self.t_M, at_best, reduce="amin")  # lowest expert on ties
+        # the runner-up is the best of the other pairs: a token tied at its best gets margin 0
+        rest = torch.where(at_best == idx.index_select(0, self.t_M), float("-inf"), a_M)
+        m2 = torch.maximum(self.empty.scatter_reduce(0, self.t_M, rest, reduce="amax"), m1 - self.width)
         # a pair left out was width below the best under p0; since then it may have gained the
         # spread of the price moves, so the margin is only known to be at least width - spread
         margin = (m1 - m2).clamp_(max=self.width - spread)

@@ -300,6 +300,21 @@ def test_pair_margins_stay_lower_bounds_after_the_prices_move():
     assert bool((margin <= top[0] - top[1] + 1e-12).all())
 
 
+def test_pair_margin_is_zero_for_a_token_tied_at_its_best():
+    # Token 0 scores experts 0 and 1 equally. Its margin must be 0, not the distance to its
+    # third expert: the certificate skips a token whose margin exceeds the price change, and a
+    # small price change can make the tied expert the better one.
+    s_TE = torch.tensor([[0.0, 0.0, -0.5], [0.0, -0.3, -0.4], [-0.2, 0.0, -0.6], [-0.5, -0.4, 0.0]])
+    cap = expert_capacities(4, 3, 1)
+    p = torch.zeros(3, 1)
+    picked = _Pairs(s_TE.T.contiguous(), p, 0.6, cap, _Work(s_TE, sync_ok=True)).select(p)
+    assert picked is not None
+    idx, margin = picked
+    assert idx[0, 0] == 0  # ties go to the lowest expert index
+    assert margin[0] == 0
+    assert margin[1:].tolist() == pytest.approx([0.3, 0.2, 0.4])
+
+
 def test_certificate_with_a_basis_reads_the_tokens_the_price_change_reaches():
     # Two experts with scores x and 0: expert 0 should take the n largest x. The basis prices put
     # the boundary too low, so more than n tokens prefer expert 0; the excess, the ones that
