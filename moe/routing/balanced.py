@@ -15,6 +15,7 @@ between experts (`moe.routing.exchange`). docs/routing.md gives the math.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -85,7 +86,7 @@ def _check_options(max_iters: int, max_cycles: int | None, eps: float) -> None:
         raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
 
 
-def _normalise(scores: Tensor, jitter: float, scratch: Tensor | None = None) -> Tensor:
+def _normalise(scores: Tensor, jitter: float, work: _Work | None = None) -> Tensor:
     """(T, E) -> (E, T) in float32 or float64: every token's best score at 0, all in [-1, 0],
     plus a deterministic pseudo-random jitter in [0, jitter) that splits exact ties.
 
@@ -95,7 +96,7 @@ def _normalise(scores: Tensor, jitter: float, scratch: Tensor | None = None) -> 
     differences can neither overflow nor vanish. Without the jitter, tokens with identical
     scores cannot be told apart by prices and each one costs an exchange later; with it, the
     objective moves by less than ``jitter`` per slot. One host sync (the finiteness check and the
-    scale). ``scratch``: an (E, T) buffer for the jitter's pattern.
+    scale). ``work``: the buffers for the result (``s``) and the jitter's pattern (``a``).
     """
     dtype = torch.promote_types(scores.dtype, torch.float32)
     lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)  # per token; NaN propagates
@@ -106,13 +107,13 @@ def _normalise(scores: Tensor, jitter: float, scratch: Tensor | None = None) -> 
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
         scale = float((hi - lo).amax())
     # one pass that reads x transposed and subtracts (on CPU about half a transposing copy and a sub_)
-    s = torch.sub(x.T, hi, out=x.new_empty(x.shape[::-1], dtype=dtype))
+    s = torch.sub(x.T, hi, out=x.new_empty(x.shape[::-1], dtype=dtype) if work is None else work.s)
     if scale > 0:
         s.div_(scale)
-    return _add_jitter(s, jitter, scratch)
+    return _add_jitter(s, jitter, None if work is None else work.a)
 
 
-def _normalise_nosync(scores: Tensor, jitter: float, scratch: Tensor | None = None) -> Tensor:
+def _normalise_nosync(scores: Tensor, jitter: float, work: _Work) -> Tensor:
     """`_normalise` without a host sync: the input is always divided by its largest magnitude
     first, and the scale stays on the device. Nothing is checked: NaN counts as the lowest
     score and +-Inf as the largest finite ones."""
@@ -122,8 +123,8 @@ def _normalise_nosync(scores: Tensor, jitter: float, scratch: Tensor | None = No
     x = x / x.abs().amax().clamp(min=torch.finfo(dtype).tiny)
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     scale = (hi - lo).amax()
-    s = (x.T - hi).div_(torch.where(scale > 0, scale, 1.0)).contiguous()
-    return _add_jitter(s, jitter, scratch)
+    s = torch.sub(x.T, hi, out=work.s).div_(torch.where(scale > 0, scale, 1.0))
+    return _add_jitter(s, jitter, work.a)
 
 
 def _add_jitter(s_ET: Tensor, jitter: float, scratch: Tensor | None = None) -> Tensor:
@@ -154,22 +155,45 @@ def _top_values(a_ET: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.stack(vals), torch.stack(idxs)
 
 
+_WORKSPACE_MAX_BYTES = 64 << 20  # per thread: the CPU work buffers kept between solves
+_workspace = threading.local()
+
+
+def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """Three (E, T) buffers and an (E // 4, T) one, from one allocation. On CPU, while they
+    fit in ``_WORKSPACE_MAX_BYTES``, the allocation is kept for the thread's next solve of the
+    same shape: a fresh one costs a page fault per 4 KiB on first touch (0.2-0.3 ms at
+    T=4096, E=64). CUDA's caching allocator already reuses its memory."""
+    rows = (3 * num_experts, max(1, num_experts // 4))
+    size = sum(rows) * num_tokens
+    key = (num_experts, num_tokens, dtype)
+    keep = device.type == "cpu" and size * dtype.itemsize <= _WORKSPACE_MAX_BYTES
+    held = getattr(_workspace, "held", None) if keep else None
+    if held is not None and held[0] == key:
+        flat = held[1]
+    else:
+        with torch.inference_mode(False):  # a normal tensor: solves also run outside inference mode
+            flat = torch.empty(size, dtype=dtype, device=device)
+        if keep:
+            _workspace.held = (key, flat)
+    big, small = flat.split([rows[0] * num_tokens, rows[1] * num_tokens])
+    return [*big.view(3, num_experts, num_tokens).unbind(0), small.view(rows[1], num_tokens)]
+
+
 class _Work:
     """Work buffers shaped like the (E, T) normalised scores of ``scores_TE``, reused by every
-    pass of one solve. A fresh large tensor costs a page fault per 4 KiB on first touch, and
-    after other work has filled the caches every buffer is read back from memory: on CPU both
-    are as slow as the arithmetic, so the passes share two (E, T) buffers, ``a`` and ``b``,
-    and a small one. ``sync_ok``: the solve syncs anyway, so its counts may too (`bincount`)."""
+    pass of one solve: ``s`` for the normalised scores, two buffers ``a`` and ``b`` and a small
+    one (`_buffers`). After other work has filled the caches every buffer is read back from
+    memory, as slow on CPU as the arithmetic, so the passes share these few.
+    ``sync_ok``: the solve syncs anyway, so its counts may too (`bincount`)."""
 
     def __init__(self, scores_TE: Tensor, sync_ok: bool = False) -> None:
         num_tokens, num_experts = scores_TE.shape
-        like = {"dtype": torch.promote_types(scores_TE.dtype, torch.float32), "device": scores_TE.device}
+        dtype = torch.promote_types(scores_TE.dtype, torch.float32)
         self.sync_ok = sync_ok
         half = max(1, num_experts // 2)
-        self.a = torch.empty(num_experts, num_tokens, **like)
-        self.b = torch.empty(num_experts, num_tokens, **like)
+        self.s, self.a, self.b, self.tmp = _buffers(num_experts, num_tokens, dtype, scores_TE.device)
         self.hi, self.lo = self.b[:half], self.b[half : 2 * half]  # `_top2` is done before b is written again
-        self.tmp = torch.empty(max(1, half // 2), num_tokens, **like)
         # histogram bins: written once the values in a (the margins) are clamped into b
         self.idx = self.a.view(-1).view(torch.int32)[: num_experts * num_tokens].view(num_experts, num_tokens)
 
@@ -212,12 +236,12 @@ def _top2(a_ET: Tensor, work: _Work) -> tuple[Tensor, Tensor]:
 
 def _margins(a_ET: Tensor, k: int, work: _Work) -> Tensor:
     """(E, T): how far each expert's price may rise before token t stops picking it (> 0), or
-    must fall before t picks it (< 0), the other prices fixed. For K = 1 computed in place in
-    ``a_ET``."""
-    if k == 1:  # the held expert's margin is m1 - m2, every other one's a - m1
-        m1, m2 = _top2(a_ET, work)
-        up = torch.sub(a_ET, m2, out=work.b).relu_()
-        return a_ET.sub_(m1).add_(up)
+    must fall before t picks it (< 0), the other prices fixed. For K = 1 written to buffer
+    ``a`` (``a_ET`` may be that buffer or the scores themselves)."""
+    if k == 1:  # the held expert's margin is m1 - m2, every other one's a - m1: both are
+        m1, m2 = _top2(a_ET, work)  # a + max(a - m1 - m2, -m1), three passes
+        low = torch.sub(a_ET, m1 + m2, out=work.b)
+        return torch.add(a_ET, torch.maximum(low, -m1, out=low), out=work.a)
     top = a_ET.topk(k + 1, dim=0).values
     return torch.where(a_ET >= top[k - 1], a_ET - top[k], a_ET - top[k - 1])
 
@@ -258,13 +282,14 @@ def _jacobi_prices(
     target_E: Tensor,
     k: int,
     iters: int,
-    p: Tensor,
+    p: Tensor | None,
     work: _Work,
     omega: float = 0.7,
     widths: tuple[float, ...] = (1.0,),
 ) -> tuple[Tensor, Tensor]:
-    """Damped Jacobi updates of the prices (E, 1), warm-started from ``p``; also returns the
-    largest price move of the last update (a scalar tensor).
+    """Damped Jacobi updates of the prices (E, 1), warm-started from ``p`` (None: from zero, and
+    the first update reads the scores without shifting them); also returns the largest price
+    move of the last update (a scalar tensor).
 
     Each update moves every expert's price to the value at which exactly ``target[e]`` (int64)
     tokens would pick it were the other prices fixed (the midpoint between two order statistics
@@ -276,8 +301,10 @@ def _jacobi_prices(
     last = s_ET.new_zeros(())
     rows = torch.arange(num_experts, device=s_ET.device, dtype=s_ET.dtype)
     row_base = (rows * _BINS_DENSE + _BINS_DENSE / 2)[:, None]
+    zero = p is None
+    p = s_ET.new_zeros(num_experts, 1) if zero else p
     for i in range(iters):
-        d = _margins(work.shifted(s_ET, p), k, work)
+        d = _margins(s_ET if zero and i == 0 else work.shifted(s_ET, p), k, work)
         q = _row_quantiles(d, row_base, target_E, widths[min(i, len(widths) - 1)], _BINS_DENSE, work)
         step = omega * q
         p = p + step[:, None]
@@ -285,14 +312,13 @@ def _jacobi_prices(
     return p, last
 
 
-def _above(a_ET: Tensor, floor_T: Tensor) -> tuple[Tensor, Tensor]:
-    """Row and column indices (row-major order) of the entries of ``a`` above ``floor`` (one per
+def _above(a_ET: Tensor, floor_T: Tensor) -> Tensor:
+    """Flat indices (row-major, ascending) of the entries of ``a`` above ``floor`` (one per
     column). On CPU through numpy, whose comparison and nonzero on an (E, T) array are several
     times faster than torch's there (measured: 15 against 130 us, 70 against 420 us at 64 x 4096)."""
     if a_ET.device.type != "cpu":
-        return torch.nonzero(a_ET > floor_T, as_tuple=True)
-    flat = torch.from_numpy(np.flatnonzero(a_ET.numpy() > floor_T.numpy()))
-    return flat // a_ET.shape[1], flat % a_ET.shape[1]
+        return torch.nonzero((a_ET > floor_T).view(-1)).flatten()
+    return torch.from_numpy(np.flatnonzero(a_ET.numpy() > floor_T.numpy()))
 
 
 class _Pairs:
@@ -312,8 +338,10 @@ class _Pairs:
 
     def __init__(self, s_ET: Tensor, p0: Tensor, width: float, cap_E: Tensor, work: _Work) -> None:
         a = work.shifted(s_ET, p0)
-        self.e_M, self.t_M = _above(a, a.amax(dim=0) - width)
-        self.s_M = s_ET[self.e_M, self.t_M]
+        flat = _above(a, a.amax(dim=0) - width)
+        self.s_M = s_ET.view(-1).index_select(0, flat)  # a flat gather: 10 against 120 us for s[e, t]
+        self.e_M = flat // s_ET.shape[1]
+        self.t_M = flat - self.e_M * s_ET.shape[1]
         self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
         self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
         count = bincount(self.e_M, self.num_experts, sync_ok=True)
@@ -327,37 +355,36 @@ class _Pairs:
         self.pick = torch.stack([at, at - 1], dim=1)
         self.cap_E = cap_E
         self.idle = cap_E == 0  # experts that take no token: their price only rises
-
-    def _top2(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Pair scores under p less their token's best (M,: 0 at the best, else < 0), each token's
-        best and runner-up (T,), the runner-up floored at best - width, and each pair's score
-        above its token's runner-up (M,). Arithmetic instead of masks: on CPU a comparison or
-        ``where`` over the pairs costs 11-14 us, a float op 2-3."""
-        a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
-        m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
-        gap_M = a_M - m1.index_select(0, self.t_M)
-        rest = gap_M.sign().add_(1).mul_(-4.0).add_(a_M)  # 4 below at the best: under any floor
-        m2 = torch.maximum(self.empty.scatter_reduce(0, self.t_M, rest, reduce="amax"), m1 - self.width)
-        return gap_M, m1, m2, a_M - m2.index_select(0, self.t_M)
+        if s_ET.device.type == "cpu":
+            self.rows_host, self.pick_host = np.arange(self.num_experts)[:, None], self.pick.numpy()
+            self.idle_host = self.idle.numpy()
 
     def jacobi(self, p: Tensor, iters: int, omega: float = 0.7) -> Tensor:
         """The damped Jacobi updates of `_jacobi_prices` on the pairs, towards the capacities;
-        a move is at most width."""
+        a move is at most width. Each token's runner-up is found with float arithmetic rather
+        than a mask (on CPU a comparison or ``where`` over the pairs costs 11-14 us, a float op
+        2-3), floored at its best less the width."""
         for _ in range(iters):
-            gap_M, _, _, above_M = self._top2(p)
-            d_M = gap_M.add_(above_M.relu_())  # the margins of `_margins`
+            a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
+            m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
+            gap_M = a_M - m1.index_select(0, self.t_M)  # 0 at the best, else < 0
+            rest = gap_M.sign().add_(1).mul_(-4.0).add_(a_M)  # 4 below at the best: under the floor
+            m2 = (m1 - self.width).scatter_reduce_(0, self.t_M, rest, reduce="amax")
+            # the margins of `_margins`: m1 - m2 at the best, the gap elsewhere
+            d_M = gap_M.add_(a_M.sub_(m2.index_select(0, self.t_M)).relu_())
             p = torch.add(p, self._quantiles(d_M)[:, None], alpha=omega)
         return p
 
     def _quantiles(self, d_M: Tensor) -> Tensor:
         """Where ``cap[e]`` of expert e's values lie above: the midpoint of the cap-th and
-        (cap+1)-th largest, clamped to [-width, width] (width when it takes none), (E,)."""
+        (cap+1)-th largest, clamped to [-width, width] (width when it takes none), (E,). A
+        missing (cap+1)-th value lies below the window: it counts at its edge, -width."""
         self.table.view(-1).index_copy_(0, self.cell_M, d_M)
-        if self.table.device.type == "cpu":  # numpy's row sort: 19 against 240 us at 64 x 220
-            rows = torch.from_numpy(np.sort(self.table.numpy(), axis=1))
-        else:
-            rows = self.table.sort(dim=1).values
-        # a missing (cap+1)-th value lies below the window: count it at its edge, -width
+        if self.table.device.type == "cpu":  # numpy: its row sort takes 19 against 240 us at 64 x 220
+            pair = np.sort(self.table.numpy(), axis=1)[self.rows_host, self.pick_host]
+            mid = np.maximum(pair, -self.width).sum(axis=1) * 0.5
+            return torch.from_numpy(np.where(self.idle_host, self.width, np.minimum(mid, self.width)))
+        rows = self.table.sort(dim=1).values
         mid = rows.gather(1, self.pick).clamp_(min=-self.width).sum(dim=1).mul_(0.5)
         return torch.where(self.idle, self.width, mid.clamp_(max=self.width))
 
@@ -369,9 +396,8 @@ class _Pairs:
             return None
         a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
         m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
-        at_best = (
-            self.e_M - (a_M - m1.index_select(0, self.t_M)).sign().long() * self.num_experts
-        )  # E added where not the best
+        gap_M = a_M - m1.index_select(0, self.t_M)  # 0 at the best, else < 0
+        at_best = self.e_M - gap_M.sign().long() * self.num_experts  # E added where not the best
         idx = self.t_M.new_full(m1.shape, self.num_experts)
         idx = idx.scatter_reduce(0, self.t_M, at_best, reduce="amin")  # lowest expert on ties
         # the runner-up is the best of the other pairs: a token tied at its best gets margin 0
@@ -386,6 +412,13 @@ class _Pairs:
 def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
     """K = 1: each expert over capacity keeps its tokens with the largest margins (ties: lowest
     token index) and the others get -1. Only the tokens of such experts are ranked."""
+    if idx_T.device.type == "cpu":  # numpy: a third of the time of the torch ops
+        return torch.from_numpy(_keep_best_host(idx_T.numpy(), margin_T.numpy(), cap_E.numpy()))
+    return _keep_best_device(idx_T, margin_T, cap_E)
+
+
+def _keep_best_device(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
+    """`_keep_best` in torch ops."""
     num_experts = cap_E.shape[0]
     over = bincount(idx_T, num_experts) > cap_E
     sub = torch.nonzero(over[idx_T]).flatten()
@@ -393,6 +426,20 @@ def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:
         return idx_T
     keep = drop_by_score(idx_T[sub, None], margin_T[sub, None], num_experts, cap_E)[:, 0]
     return idx_T.index_fill(0, sub[~keep], -1)
+
+
+def _keep_best_host(idx_T: np.ndarray, margin_T: np.ndarray, cap_E: np.ndarray) -> np.ndarray:
+    """`_keep_best` in numpy (a new array)."""
+    over = np.bincount(idx_T, minlength=cap_E.shape[0]) > cap_E
+    sub = np.flatnonzero(over[idx_T])
+    idx_T = idx_T.copy()
+    if sub.size:
+        expert = idx_T[sub]
+        order = np.lexsort((-margin_T[sub], expert))  # by expert, margin down, token up (stable)
+        expert = expert[order]
+        rank = np.arange(expert.size) - np.searchsorted(expert, expert)  # place within its expert
+        idx_T[sub[order[rank >= cap_E[expert]]]] = -1
+    return idx_T
 
 
 def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) -> tuple[Tensor, _Pairs | None]:
@@ -407,10 +454,9 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) ->
     from any boundary (on skewed scores the prices still move far and the frozen tokens then
     cost more exchange cycles than they saved).
     """
-    p = s_ET.new_zeros(s_ET.shape[0], 1)
     if k > 1 or max_iters <= 2:
-        return _jacobi_prices(s_ET, cap_E, k, max_iters, p, work=work)[0], None
-    p, last = _jacobi_prices(s_ET, cap_E, k, 1, p, work=work)
+        return _jacobi_prices(s_ET, cap_E, k, max_iters, None, work=work)[0], None
+    p, last = _jacobi_prices(s_ET, cap_E, k, 1, None, work=work)
     dense = 1
     if float(last) > 0.05:
         p, last = _jacobi_prices(s_ET, cap_E, k, 1, p, work=work)
@@ -477,18 +523,28 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
     """
     num_experts = s_ET.shape[0]
     prices = np.zeros(num_experts) if p is None else p.detach().double().cpu().numpy().ravel()
+    cap = cap_E.cpu().numpy()
+    on_host = out.device.type == "cpu"  # then ``slots`` shares out's memory
+    slots = out.numpy() if on_host else out.cpu().numpy()
     moved = []
     while True:
-        short = torch.nonzero((out < 0).any(dim=1)).flatten()
-        if short.numel() == 0:
-            return moved
-        deficit = cap_E - _loads(out, num_experts)
-        sub_out = out[short].cpu().numpy()
-        fill_passes(s_ET[:, short].double().cpu().numpy(), sub_out, deficit.cpu().numpy(), prices)
-        out[short] = torch.from_numpy(sub_out).to(out.device)
-        stuck = torch.nonzero((out < 0).any(dim=1)).flatten()
-        if stuck.numel():
-            moved.append(_swap_in(s_ET, out, int(stuck[0]), cap_E - _loads(out, num_experts)))
+        short = np.flatnonzero((slots < 0).any(axis=1))
+        if short.size == 0:
+            break
+        deficit = cap - np.bincount(slots[slots >= 0], minlength=num_experts)
+        sub = slots[short]
+        cols = torch.from_numpy(short).to(s_ET.device)
+        fill_passes(s_ET.index_select(1, cols).double().cpu().numpy(), sub, deficit, prices)
+        slots[short] = sub
+        stuck = np.flatnonzero((sub < 0).any(axis=1))
+        if stuck.size:
+            if not on_host:
+                out.copy_(torch.from_numpy(slots))
+            moved.append(_swap_in(s_ET, out, int(short[stuck[0]]), cap_E - _loads(out, num_experts)))
+            slots = out.numpy() if on_host else out.cpu().numpy()
+    if not on_host:
+        out.copy_(torch.from_numpy(slots))
+    return moved
 
 
 def _nothing_to_solve(
@@ -561,7 +617,7 @@ def balanced_assignment(
     device = scores_TE.device
     with torch.inference_mode():  # cheaper per op than no_grad; the result is cloned out of it
         work = _Work(scores_TE, sync_ok=True)
-        s = _normalise(scores_TE, jitter=eps / 2, scratch=work.a)
+        s = _normalise(scores_TE, jitter=eps / 2, work=work)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
         p, pairs = _prices(s, cap, k, max_iters, work)
         picked = None if pairs is None else pairs.select(p)
@@ -612,10 +668,10 @@ def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int 
     device = scores_TE.device
     with torch.no_grad():
         work = _Work(scores_TE)
-        s = _normalise_nosync(scores_TE, jitter=eps / 2, scratch=work.a)
+        s = _normalise_nosync(scores_TE, jitter=eps / 2, work=work)
         cap = expert_capacities(num_tokens, num_experts, k, device=device)
         # ever finer windows as the prices settle (measured: half the gap of width 1)
-        p = _jacobi_prices(s, cap, k, max_iters, s.new_zeros(num_experts, 1), work=work, widths=_APPROX_WIDTHS)[0]
+        p = _jacobi_prices(s, cap, k, max_iters, None, work=work, widths=_APPROX_WIDTHS)[0]
         out, margin = _select(s, p, k, cap, work)
         out = _bids(work.shifted(s, p), out, cap, rounds=k + 2)
         return _complete(out, cap, margin)[0]

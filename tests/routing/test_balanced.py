@@ -14,7 +14,7 @@ from moe.routing import (
     balanced_assignment_ref,
     expert_capacities,
 )
-from moe.routing.balanced import _fill, _normalise, _Pairs, _Work
+from moe.routing.balanced import _fill, _keep_best_device, _keep_best_host, _normalise, _Pairs, _Work
 from moe.routing.exchange import cancel_cycles
 
 KINDS = ("gauss", "int", "one_expert", "huge", "tiny", "equal")
@@ -187,6 +187,31 @@ def test_deterministic():
     assert torch.equal(first, balanced_assignment(scores.T.contiguous().T, 2))
 
 
+def test_solves_reuse_their_work_buffers_without_sharing_results():
+    """On CPU a solve keeps its work buffers for the thread's next solve of the same shape:
+    the exact solver (in inference mode) and the approximate one (outside it) must both be
+    able to use them, and no result may alias them."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(96, 8, generator=g), torch.randn(96, 8, generator=g)
+    first = balanced_assignment(x, 2)
+    kept = first.clone()
+    held = balanced_workspace_ptr()
+    approx = balanced_assignment_approx(y, 2)
+    second = balanced_assignment(y, 2)
+    assert balanced_workspace_ptr() == held  # the same allocation served all three
+    assert torch.equal(first, kept)
+    assert torch.equal(balanced_assignment(x, 2), kept)
+    check_feasible(approx, 96, 8, 2)
+    check_feasible(second, 96, 8, 2)
+    assert float(assignment_score(y, second)) >= float(assignment_score(y, approx)) - 1e-9
+
+
+def balanced_workspace_ptr() -> int:
+    from moe.routing.balanced import _workspace
+
+    return _workspace.held[1].data_ptr()
+
+
 def test_result_is_an_ordinary_tensor_autograd_can_save():
     """The solver runs in inference mode; its result must still index in a graph that is
     differentiated (an inference tensor cannot be saved for backward)."""
@@ -298,6 +323,21 @@ def test_pair_margins_stay_lower_bounds_after_the_prices_move():
     kept = idx[:, 0] >= 0
     assert torch.equal(idx[kept, 0], (s - p).argmax(dim=0)[kept])
     assert bool((margin <= top[0] - top[1] + 1e-12).all())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_keep_best_on_the_host_matches_the_device_ops(seed):
+    # The CPU solve keeps each full expert's best tokens in numpy, other devices in torch ops:
+    # the two must agree, ties (coarse margins) going to the lowest token index.
+    g = torch.Generator().manual_seed(seed)
+    num_tokens, num_experts = 300, 7
+    idx = torch.randint(0, num_experts, (num_tokens,), generator=g) ** 2 % num_experts  # uneven loads
+    margin = torch.randint(0, 5, (num_tokens,), generator=g).double() / 4
+    cap = expert_capacities(num_tokens, num_experts, 1)
+    host = torch.from_numpy(_keep_best_host(idx.numpy(), margin.numpy(), cap.numpy()))
+    assert torch.equal(host, _keep_best_device(idx, margin, cap))
+    assert bool((torch.bincount(host[host >= 0], minlength=num_experts) <= cap).all())
+    assert bool(((host == idx) | (host == -1)).all()) and bool((host == -1).any())
 
 
 def test_pair_margin_is_zero_for_a_token_tied_at_its_best():
