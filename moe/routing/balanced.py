@@ -159,25 +159,29 @@ _WORKSPACE_MAX_BYTES = 64 << 20  # per thread: the CPU work buffers kept between
 _workspace = threading.local()
 
 
-def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """Three (E, T) buffers and an (E // 4, T) one, from one allocation. On CPU, while they
-    fit in ``_WORKSPACE_MAX_BYTES``, the allocation is kept for the thread's next solve of the
-    same shape: a fresh one costs a page fault per 4 KiB on first touch (0.2-0.3 ms at
-    T=4096, E=64). CUDA's caching allocator already reuses its memory."""
+def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    """The views of `_Work` (s, a, b, tmp, hi, lo, idx) on one allocation of three (E, T)
+    buffers and an (E // 4, T) one. On CPU, while it fits in ``_WORKSPACE_MAX_BYTES``, the
+    allocation and its views are kept for the thread's next solve of the same shape: a fresh
+    one costs a page fault per 4 KiB on first touch (0.2-0.3 ms at T=4096, E=64). CUDA's
+    caching allocator already reuses its memory."""
+    key = (num_experts, num_tokens, dtype)
+    held = getattr(_workspace, "held", None)
+    if held is not None and held[0] == key and device.type == "cpu":
+        return held[1]
     rows = (3 * num_experts, max(1, num_experts // 4))
     size = sum(rows) * num_tokens
-    key = (num_experts, num_tokens, dtype)
-    keep = device.type == "cpu" and size * dtype.itemsize <= _WORKSPACE_MAX_BYTES
-    held = getattr(_workspace, "held", None) if keep else None
-    if held is not None and held[0] == key:
-        flat = held[1]
-    else:
-        with torch.inference_mode(False):  # a normal tensor: solves also run outside inference mode
-            flat = torch.empty(size, dtype=dtype, device=device)
-        if keep:
-            _workspace.held = (key, flat)
-    big, small = flat.split([rows[0] * num_tokens, rows[1] * num_tokens])
-    return [*big.view(3, num_experts, num_tokens).unbind(0), small.view(rows[1], num_tokens)]
+    with torch.inference_mode(False):  # normal tensors: solves also run outside inference mode
+        flat = torch.empty(size, dtype=dtype, device=device)
+        big, tmp = flat.split([rows[0] * num_tokens, rows[1] * num_tokens])
+        s, a, b = big.view(3, num_experts, num_tokens).unbind(0)
+        half = max(1, num_experts // 2)
+        # `_top2` runs in b before b is written again; the histogram bins reuse a
+        idx = a.view(-1).view(torch.int32)[: num_experts * num_tokens].view(num_experts, num_tokens)
+        views = (s, a, b, tmp.view(rows[1], num_tokens), b[:half], b[half : 2 * half], idx)
+    if device.type == "cpu" and size * dtype.itemsize <= _WORKSPACE_MAX_BYTES:
+        _workspace.held = (key, views)
+    return views
 
 
 class _Work:
@@ -191,11 +195,9 @@ class _Work:
         num_tokens, num_experts = scores_TE.shape
         dtype = torch.promote_types(scores_TE.dtype, torch.float32)
         self.sync_ok = sync_ok
-        half = max(1, num_experts // 2)
-        self.s, self.a, self.b, self.tmp = _buffers(num_experts, num_tokens, dtype, scores_TE.device)
-        self.hi, self.lo = self.b[:half], self.b[half : 2 * half]  # `_top2` is done before b is written again
-        # histogram bins: written once the values in a (the margins) are clamped into b
-        self.idx = self.a.view(-1).view(torch.int32)[: num_experts * num_tokens].view(num_experts, num_tokens)
+        self.s, self.a, self.b, self.tmp, self.hi, self.lo, self.idx = _buffers(
+            num_experts, num_tokens, dtype, scores_TE.device
+        )
 
     def shifted(self, s_ET: Tensor, p: Tensor) -> Tensor:
         """``s - p`` in buffer ``a``."""

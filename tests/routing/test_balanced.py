@@ -209,7 +209,7 @@ def test_solves_reuse_their_work_buffers_without_sharing_results():
 def balanced_workspace_ptr() -> int:
     from moe.routing.balanced import _workspace
 
-    return _workspace.held[1].data_ptr()
+    return _workspace.held[1][0].data_ptr()
 
 
 def test_result_is_an_ordinary_tensor_autograd_can_save():
