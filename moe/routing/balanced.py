@@ -342,19 +342,11 @@ class _Pairs:
         a = work.shifted(s_ET, p0)
         flat = _above(a, a.amax(dim=0) - width)
         self.s_M = s_ET.view(-1).index_select(0, flat)  # a flat gather: 10 against 120 us for s[e, t]
-        self.e_M = flat // s_ET.shape[1]
-        self.t_M = flat - self.e_M * s_ET.shape[1]
         self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
         self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
-        count = bincount(self.e_M, self.num_experts, sync_ok=True)
-        # L > every cap, so the cap-th and (cap+1)-th largest lie in the row (-inf when missing)
-        size = int(torch.maximum(count, cap_E).max()) + 1
-        first = count.cumsum(0) - count  # the pairs are grouped by expert
-        index = torch.arange(self.e_M.numel(), device=s_ET.device)
-        self.cell_M = self.e_M * size + index - first.index_select(0, self.e_M)
+        layout = _pair_layout_host if flat.device.type == "cpu" else _pair_layout
+        self.e_M, self.t_M, self.cell_M, self.pick, size = layout(flat, s_ET.shape[1], cap_E)
         self.table = s_ET.new_full((self.num_experts, size), float("-inf"))
-        at = (size - cap_E).clamp_(max=size - 1)  # the column of the cap-th largest, rows sorted up
-        self.pick = torch.stack([at, at - 1], dim=1)
         self.cap_E = cap_E
         self.idle = cap_E == 0  # experts that take no token: their price only rises
         if s_ET.device.type == "cpu":
@@ -409,6 +401,38 @@ class _Pairs:
         # spread of the price moves, so the margin is only known to be at least width - spread
         margin = (m1 - m2).clamp_(max=self.width - spread)
         return _keep_best(idx, margin, self.cap_E)[:, None], margin
+
+
+def _pair_layout(flat_M: Tensor, num_tokens: int, cap_E: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """Where the pairs at ``flat`` (ascending flat indices into an (E, T) array, so grouped by
+    expert) sit: their experts and tokens (M,), their cells in an (E, L) table (row e holds
+    expert e's pairs, from column 0), the table's columns of the cap-th and (cap+1)-th largest
+    value once its rows are sorted up (E, 2), and L: more than every expert's pair count and
+    cap, so both values lie in the row (-inf where missing). One host sync (L)."""
+    num_experts = cap_E.shape[0]
+    rows = torch.arange(num_experts, device=flat_M.device)
+    count = torch.searchsorted(flat_M, torch.arange(num_experts + 1, device=flat_M.device) * num_tokens).diff()
+    size = int(torch.maximum(count, cap_E).max()) + 1
+    num_pairs = flat_M.numel()
+    e_M = torch.repeat_interleave(rows, count, output_size=num_pairs)
+    first = count.cumsum(0) - count
+    cell_M = torch.repeat_interleave(rows * size - first, count, output_size=num_pairs)
+    cell_M += torch.arange(num_pairs, device=flat_M.device)
+    at = (size - cap_E).clamp_(max=size - 1)
+    return e_M, flat_M - e_M * num_tokens, cell_M, torch.stack([at, at - 1], dim=1), size
+
+
+def _pair_layout_host(flat_M: Tensor, num_tokens: int, cap_E: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """`_pair_layout` in numpy (CPU tensors; 60 against 140 us at M = 8000)."""
+    flat, cap = flat_M.numpy(), cap_E.numpy()
+    num_experts = cap.shape[0]
+    count = np.diff(np.searchsorted(flat, np.arange(num_experts + 1) * num_tokens))
+    size = int(np.maximum(count, cap).max()) + 1
+    e = np.repeat(np.arange(num_experts), count)
+    cell = np.repeat(np.arange(num_experts) * size - (np.cumsum(count) - count), count) + np.arange(flat.size)
+    at = np.minimum(size - cap, size - 1)
+    pick = np.stack([at, at - 1], axis=1)
+    return tuple(torch.from_numpy(v) for v in (e, flat - e * num_tokens, cell, pick)) + (size,)
 
 
 def _keep_best(idx_T: Tensor, margin_T: Tensor, cap_E: Tensor) -> Tensor:

@@ -14,7 +14,16 @@ from moe.routing import (
     balanced_assignment_ref,
     expert_capacities,
 )
-from moe.routing.balanced import _fill, _keep_best_device, _keep_best_host, _normalise, _Pairs, _Work
+from moe.routing.balanced import (
+    _fill,
+    _keep_best_device,
+    _keep_best_host,
+    _normalise,
+    _pair_layout,
+    _pair_layout_host,
+    _Pairs,
+    _Work,
+)
 from moe.routing.exchange import cancel_cycles
 
 KINDS = ("gauss", "int", "one_expert", "huge", "tiny", "equal")
@@ -338,6 +347,28 @@ def test_keep_best_on_the_host_matches_the_device_ops(seed):
     assert torch.equal(host, _keep_best_device(idx, margin, cap))
     assert bool((torch.bincount(host[host >= 0], minlength=num_experts) <= cap).all())
     assert bool(((host == idx) | (host == -1)).all()) and bool((host == -1).any())
+
+
+@pytest.mark.parametrize("num_tokens, num_experts", [(50, 7), (64, 8), (9, 4)])
+def test_pair_layout_on_the_host_matches_the_device_ops(num_tokens, num_experts):
+    # The pair table's layout is computed in numpy on CPU and in torch ops elsewhere.
+    g = torch.Generator().manual_seed(num_tokens)
+    keep = torch.rand(num_experts * num_tokens, generator=g) < 0.3
+    keep[torch.arange(num_tokens) * num_experts % (num_experts * num_tokens)] = True
+    keep[: num_tokens * 2] = False  # experts 0 and 1 have no pairs
+    flat = torch.nonzero(keep).flatten()
+    cap = expert_capacities(num_tokens, num_experts, 1)
+    host, device = _pair_layout_host(flat, num_tokens, cap), _pair_layout(flat, num_tokens, cap)
+    assert host[4] == device[4]
+    for a, b in zip(host[:4], device[:4], strict=True):
+        assert torch.equal(a, b)
+    e_M, t_M, cell_M, pick, size = host
+    assert torch.equal(e_M * num_tokens + t_M, flat)
+    assert torch.equal(cell_M // size, e_M)  # each pair in its expert's row, from column 0
+    count = torch.bincount(e_M, minlength=num_experts)
+    assert torch.equal(cell_M % size, torch.cat([torch.arange(int(n)) for n in count]))
+    assert size > max(int(count.max()), int(cap.max()))
+    assert torch.equal(pick[:, 0], size - cap)
 
 
 def test_pair_margin_is_zero_for_a_token_tied_at_its_best():
