@@ -128,10 +128,11 @@ class _Graph:
         self.pos[slot] = new
         if k == 1:
             tokens, touched = slot, b
+            self.g[self.pos[tokens]] = self._gains(tokens)
         else:
             tokens = np.bincount(slot // k, minlength=self.out.shape[0]).nonzero()[0]
             touched = np.bincount(self.out[tokens].ravel(), minlength=self.gain.shape[0]).nonzero()[0].tolist()
-        self.g[self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]] = self._gains(tokens)
+            self.g[self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]] = self._gains(tokens)
         for e in touched:
             row = np.maximum.reduce(self.g[self.begin[e] : self.end[e]], axis=0)
             self.gain[e] = row
