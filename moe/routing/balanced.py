@@ -96,7 +96,7 @@ def _normalise(scores: Tensor, jitter: float, work: _Work | None = None) -> Tens
     differences can neither overflow nor vanish. Without the jitter, tokens with identical
     scores cannot be told apart by prices and each one costs an exchange later; with it, the
     objective moves by less than ``jitter`` per slot. One host sync (the finiteness check and the
-    scale). ``work``: the buffers for the result (``s``) and the jitter's pattern (``a``).
+    scale). ``work``: the buffers for the result (``s``) and the jitter's pattern.
     """
     dtype = torch.promote_types(scores.dtype, torch.float32)
     lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)  # per token; NaN propagates
@@ -110,7 +110,7 @@ def _normalise(scores: Tensor, jitter: float, work: _Work | None = None) -> Tens
     s = torch.sub(x.T, hi, out=x.new_empty(x.shape[::-1], dtype=dtype) if work is None else work.s)
     if scale > 0:
         s.div_(scale)
-    return _add_jitter(s, jitter, None if work is None else work.a)
+    return _add_jitter(s, jitter, None if work is None else work.pattern)
 
 
 def _normalise_nosync(scores: Tensor, jitter: float, work: _Work) -> Tensor:
@@ -124,19 +124,26 @@ def _normalise_nosync(scores: Tensor, jitter: float, work: _Work) -> Tensor:
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     scale = (hi - lo).amax()
     s = torch.sub(x.T, hi, out=work.s).div_(torch.where(scale > 0, scale, 1.0))
-    return _add_jitter(s, jitter, work.a)
+    return _add_jitter(s, jitter, work.pattern)
 
 
-def _add_jitter(s_ET: Tensor, jitter: float, scratch: Tensor | None = None) -> Tensor:
-    """``s += jitter * frac(t * phi + e * psi)``, in place: a fixed low-discrepancy pattern in
-    [0, jitter) that splits exact ties (made in ``scratch``, an (E, T) buffer, when given)."""
+def _add_jitter(s_ET: Tensor, jitter: float, pattern: Tensor | None = None) -> Tensor:
+    """``s += jitter * pattern``, in place, the pattern `_jitter_pattern` (made here unless
+    given): a fixed low-discrepancy pattern in [0, jitter) that splits exact ties."""
     if jitter > 0:
         num_experts, num_tokens = s_ET.shape
-        u = (torch.arange(num_tokens, device=s_ET.device, dtype=torch.float64) * 0.6180339887498949).frac()
-        v = (torch.arange(num_experts, device=s_ET.device, dtype=torch.float64) * 0.7548776662466927).frac()
-        pattern = torch.add(u.to(s_ET.dtype), v.to(s_ET.dtype)[:, None], out=scratch)
-        s_ET.add_(pattern.frac_(), alpha=jitter)
+        pattern = _jitter_pattern(num_experts, num_tokens, s_ET.dtype, s_ET.device) if pattern is None else pattern
+        s_ET.add_(pattern, alpha=jitter)
     return s_ET
+
+
+def _jitter_pattern(
+    num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device, out: Tensor | None = None
+) -> Tensor:
+    """(E, T): ``frac(t * phi + e * psi)``, in ``out`` when given."""
+    u = (torch.arange(num_tokens, device=device, dtype=torch.float64) * 0.6180339887498949).frac()
+    v = (torch.arange(num_experts, device=device, dtype=torch.float64) * 0.7548776662466927).frac()
+    return torch.add(u.to(dtype), v.to(dtype)[:, None], out=out).frac_()
 
 
 def _top_values(a_ET: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -160,25 +167,26 @@ _workspace = threading.local()
 
 
 def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
-    """The views of `_Work` (s, a, b, tmp, hi, lo, idx) on one allocation of three (E, T)
-    buffers and an (E // 4, T) one. On CPU, while it fits in ``_WORKSPACE_MAX_BYTES``, the
-    allocation and its views are kept for the thread's next solve of the same shape: a fresh
-    one costs a page fault per 4 KiB on first touch (0.2-0.3 ms at T=4096, E=64). CUDA's
-    caching allocator already reuses its memory."""
+    """The buffers of `_Work` (s, a, b, tmp, hi, lo, idx, pattern) on one allocation of four
+    (E, T) buffers and an (E // 4, T) one; ``pattern`` holds `_jitter_pattern`. On CPU, while
+    it fits in ``_WORKSPACE_MAX_BYTES``, the allocation is kept for the thread's next solve of
+    the same shape, its pattern made once: a fresh one costs a page fault per 4 KiB on first
+    touch (0.2-0.3 ms at T=4096, E=64). CUDA's caching allocator already reuses its memory."""
     key = (num_experts, num_tokens, dtype)
     held = getattr(_workspace, "held", None)
     if held is not None and held[0] == key and device.type == "cpu":
         return held[1]
-    rows = (3 * num_experts, max(1, num_experts // 4))
+    rows = (4 * num_experts, max(1, num_experts // 4))
     size = sum(rows) * num_tokens
     with torch.inference_mode(False):  # normal tensors: solves also run outside inference mode
         flat = torch.empty(size, dtype=dtype, device=device)
         big, tmp = flat.split([rows[0] * num_tokens, rows[1] * num_tokens])
-        s, a, b = big.view(3, num_experts, num_tokens).unbind(0)
+        s, a, b, pattern = big.view(4, num_experts, num_tokens).unbind(0)
+        _jitter_pattern(num_experts, num_tokens, dtype, device, out=pattern)
         half = max(1, num_experts // 2)
         # `_top2` runs in b before b is written again; the histogram bins reuse a
         idx = a.view(-1).view(torch.int32)[: num_experts * num_tokens].view(num_experts, num_tokens)
-        views = (s, a, b, tmp.view(rows[1], num_tokens), b[:half], b[half : 2 * half], idx)
+        views = (s, a, b, tmp.view(rows[1], num_tokens), b[:half], b[half : 2 * half], idx, pattern)
     if device.type == "cpu" and size * dtype.itemsize <= _WORKSPACE_MAX_BYTES:
         _workspace.held = (key, views)
     return views
@@ -186,16 +194,16 @@ def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torc
 
 class _Work:
     """Work buffers shaped like the (E, T) normalised scores of ``scores_TE``, reused by every
-    pass of one solve: ``s`` for the normalised scores, two buffers ``a`` and ``b`` and a small
-    one (`_buffers`). After other work has filled the caches every buffer is read back from
-    memory, as slow on CPU as the arithmetic, so the passes share these few.
+    pass of one solve: ``s`` for the normalised scores, two buffers ``a`` and ``b``, a small one
+    and the jitter's pattern (`_buffers`). After other work has filled the caches every buffer
+    is read back from memory, as slow on CPU as the arithmetic, so the passes share these few.
     ``sync_ok``: the solve syncs anyway, so its counts may too (`bincount`)."""
 
     def __init__(self, scores_TE: Tensor, sync_ok: bool = False) -> None:
         num_tokens, num_experts = scores_TE.shape
         dtype = torch.promote_types(scores_TE.dtype, torch.float32)
         self.sync_ok = sync_ok
-        self.s, self.a, self.b, self.tmp, self.hi, self.lo, self.idx = _buffers(
+        self.s, self.a, self.b, self.tmp, self.hi, self.lo, self.idx, self.pattern = _buffers(
             num_experts, num_tokens, dtype, scores_TE.device
         )
 
