@@ -167,7 +167,7 @@ _workspace = threading.local()
 
 
 def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
-    """The buffers of `_Work` (s, a, b, tmp, hi, lo, idx, pattern) on one allocation of four
+    """The buffers of `_Work` (s, a, b, hi, lo, levels, idx, pattern) on one allocation of four
     (E, T) buffers and an (E // 4, T) one; ``pattern`` holds `_jitter_pattern`. On CPU, while
     it fits in ``_WORKSPACE_MAX_BYTES``, the allocation is kept for the thread's next solve of
     the same shape, its pattern made once: a fresh one costs a page fault per 4 KiB on first
@@ -183,10 +183,11 @@ def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torc
         big, tmp = flat.split([rows[0] * num_tokens, rows[1] * num_tokens])
         s, a, b, pattern = big.view(4, num_experts, num_tokens).unbind(0)
         _jitter_pattern(num_experts, num_tokens, dtype, device, out=pattern)
-        half = max(1, num_experts // 2)
+        half = num_experts // 2
         # `_top2` runs in b before b is written again; the histogram bins reuse a
         idx = a.view(-1).view(torch.int32)[: num_experts * num_tokens].view(num_experts, num_tokens)
-        views = (s, a, b, tmp.view(rows[1], num_tokens), b[:half], b[half : 2 * half], idx, pattern)
+        hi, lo = b[:half], b[half : 2 * half]
+        views = (s, a, b, hi, lo, _levels(hi, lo, tmp.view(rows[1], num_tokens)), idx, pattern)
     if device.type == "cpu" and size * dtype.itemsize <= _WORKSPACE_MAX_BYTES:
         _workspace.held = (key, views)
     return views
@@ -203,7 +204,7 @@ class _Work:
         num_tokens, num_experts = scores_TE.shape
         dtype = torch.promote_types(scores_TE.dtype, torch.float32)
         self.sync_ok = sync_ok
-        self.s, self.a, self.b, self.tmp, self.hi, self.lo, self.idx, self.pattern = _buffers(
+        self.s, self.a, self.b, self.hi, self.lo, self.levels, self.idx, self.pattern = _buffers(
             num_experts, num_tokens, dtype, scores_TE.device
         )
 
@@ -225,23 +226,33 @@ def _top2(a_ET: Tensor, work: _Work) -> tuple[Tensor, Tensor]:
     if num_experts == 1:
         return a_ET[0].clone(), a_ET.new_full((num_tokens,), float("-inf"))
     h = num_experts // 2
-    hi, lo, tmp = work.hi[:h], work.lo[:h], work.tmp
-    torch.maximum(a_ET[:h], a_ET[h : 2 * h], out=hi)
-    torch.minimum(a_ET[:h], a_ET[h : 2 * h], out=lo)
+    hi, lo = work.hi, work.lo
+    x, y = a_ET[:h], a_ET[h : 2 * h]
+    torch.maximum(x, y, out=hi)
+    torch.minimum(x, y, out=lo)
     if num_experts % 2:
         _merge_row(hi, lo, a_ET[2 * h], a_ET.new_full((num_tokens,), float("-inf")))
-    n = h
-    while n > 1:
-        h = n // 2
-        x, y, x_lo, y_lo = hi[:h], hi[h : 2 * h], lo[:h], lo[h : 2 * h]
-        t = torch.minimum(x, y, out=tmp[:h])
+    for x, y, x_lo, y_lo, t, odd in work.levels:
+        torch.minimum(x, y, out=t)
         torch.maximum(x, y, out=x)
         torch.maximum(x_lo, y_lo, out=x_lo)
         torch.maximum(x_lo, t, out=x_lo)
-        if n % 2:
-            _merge_row(hi, lo, hi[2 * h].clone(), lo[2 * h].clone())
-        n = h
+        if odd:
+            _merge_row(hi, lo, odd[0].clone(), odd[1].clone())
     return hi[0].clone(), lo[0].clone()
+
+
+def _levels(hi: Tensor, lo: Tensor, tmp: Tensor) -> list[tuple]:
+    """The views `_top2` folds at each level after the first, from ``hi`` and ``lo`` (the
+    first level's largest and smallest of each pair of rows): (x, y, x_lo, y_lo, scratch, odd),
+    odd the last row pair when the level has an odd number of rows, else None."""
+    levels, n = [], hi.shape[0]
+    while n > 1:
+        h = n // 2
+        odd = (hi[2 * h], lo[2 * h]) if n % 2 else None
+        levels.append((hi[:h], hi[h : 2 * h], lo[:h], lo[h : 2 * h], tmp[:h], odd))
+        n = h
+    return levels
 
 
 def _margins(a_ET: Tensor, k: int, work: _Work) -> Tensor:
