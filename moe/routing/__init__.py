@@ -9,6 +9,7 @@ from .balanced import (
     balanced_assignment_approx,
     balanced_assignment_ref,
     expert_capacities,
+    release_work_buffers,
 )
 from .base import BaseRouter
 from .config import ROUTER_KINDS, RouterConfig
@@ -34,6 +35,7 @@ __all__ = [
     "build_router",
     "expert_capacities",
     "load_balancing_loss",
+    "release_work_buffers",
     "router_z_loss",
     "routing_stats",
     "sequence_load_balancing_loss",

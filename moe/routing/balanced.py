@@ -31,6 +31,7 @@ __all__ = [
     "balanced_assignment_ref",
     "expert_capacities",
     "assignment_score",
+    "release_work_buffers",
 ]
 
 
@@ -166,12 +167,20 @@ _WORKSPACE_MAX_BYTES = 64 << 20  # per thread: the CPU work buffers kept between
 _workspace = threading.local()
 
 
+def release_work_buffers() -> None:
+    """Free the CPU work buffers this thread keeps for its next solve of the same shape (up to
+    64 MB; `balanced_assignment` keeps them to avoid a page fault per 4 KiB on every call). The
+    next solve makes new ones."""
+    _workspace.__dict__.pop("held", None)
+
+
 def _buffers(num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
     """The buffers of `_Work` (s, a, b, hi, lo, levels, idx, pattern) on one allocation of four
-    (E, T) buffers and an (E // 4, T) one; ``pattern`` holds `_jitter_pattern`. On CPU, while
+    (E, T) buffers and a (max(1, E // 4), T) one; ``pattern`` holds `_jitter_pattern`. On CPU, while
     it fits in ``_WORKSPACE_MAX_BYTES``, the allocation is kept for the thread's next solve of
-    the same shape, its pattern made once: a fresh one costs a page fault per 4 KiB on first
-    touch (0.2-0.3 ms at T=4096, E=64). CUDA's caching allocator already reuses its memory."""
+    the same shape, its pattern made once (`release_work_buffers` frees it): a fresh one costs a
+    page fault per 4 KiB on first touch (0.2-0.3 ms at T=4096, E=64). CUDA's caching allocator
+    already reuses its memory."""
     key = (num_experts, num_tokens, dtype)
     held = getattr(_workspace, "held", None)
     if held is not None and held[0] == key and device.type == "cpu":
@@ -376,7 +385,9 @@ class _Pairs:
         """The damped Jacobi updates of `_jacobi_prices` on the pairs, towards the capacities;
         a move is at most width. Each token's runner-up is found with float arithmetic rather
         than a mask (on CPU a comparison or ``where`` over the pairs costs 11-14 us, a float op
-        2-3), floored at its best less the width."""
+        2-3), floored at its best less the width. Unlike `_margins`, a token tied exactly at
+        its best counts as holding every tied expert (margin m1 - m3 for each): this only
+        shapes the price estimate; `select` gives such a token margin 0."""
         for _ in range(iters):
             a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
             m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
@@ -442,7 +453,7 @@ def _pair_layout(flat_M: Tensor, num_tokens: int, cap_E: Tensor) -> tuple[Tensor
 
 
 def _pair_layout_host(flat_M: Tensor, num_tokens: int, cap_E: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
-    """`_pair_layout` in numpy (CPU tensors; 60 against 140 us at M = 8000)."""
+    """`_pair_layout` in numpy (CPU tensors; 60 against 160 us for the torch ops it replaced, at M = 8000)."""
     flat, cap = flat_M.numpy(), cap_E.numpy()
     num_experts = cap.shape[0]
     count = np.diff(np.searchsorted(flat, np.arange(num_experts + 1) * num_tokens))
