@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .common import bincount, drop_by_score
-from .exchange import cancel_cycles, fill_passes, held_mask
+from .exchange import _host, cancel_cycles, fill_passes, held_mask, keep_top_claims
 
 __all__ = [
     "balanced_assignment",
@@ -377,9 +377,8 @@ class _Pairs:
         self.table = s_ET.new_full((self.num_experts, size), float("-inf"))
         self.cap_E = cap_E
         self.idle = cap_E == 0  # experts that take no token: their price only rises
-        if s_ET.device.type == "cpu":
-            self.rows_host, self.pick_host = np.arange(self.num_experts)[:, None], self.pick.numpy()
-            self.idle_host = self.idle.numpy()
+        if s_ET.device.type == "cpu":  # `_quantiles` reads them in numpy there
+            self.pick, self.idle = self.pick.numpy(), self.idle.numpy()
 
     def jacobi(self, p: Tensor, iters: int, omega: float = 0.7) -> Tensor:
         """The damped Jacobi updates of `_jacobi_prices` on the pairs, towards the capacities;
@@ -389,9 +388,7 @@ class _Pairs:
         its best counts as holding every tied expert (margin m1 - m3 for each): this only
         shapes the price estimate; `select` gives such a token margin 0."""
         for _ in range(iters):
-            a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
-            m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
-            gap_M = a_M - m1.index_select(0, self.t_M)  # 0 at the best, else < 0
+            a_M, m1, gap_M = self._best(p)
             rest = gap_M.sign().add_(1).mul_(-4.0).add_(a_M)  # 4 below at the best: under the floor
             m2 = (m1 - self.width).scatter_reduce_(0, self.t_M, rest, reduce="amax")
             # the margins of `_margins`: m1 - m2 at the best, the gap elsewhere
@@ -399,15 +396,22 @@ class _Pairs:
             p = torch.add(p, self._quantiles(d_M)[:, None], alpha=omega)
         return p
 
+    def _best(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Pair scores under p (M,), each token's best (T,), and each pair's score less its
+        token's best (M,: 0 at the best, else < 0)."""
+        a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
+        m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
+        return a_M, m1, a_M - m1.index_select(0, self.t_M)
+
     def _quantiles(self, d_M: Tensor) -> Tensor:
         """Where ``cap[e]`` of expert e's values lie above: the midpoint of the cap-th and
         (cap+1)-th largest, clamped to [-width, width] (width when it takes none), (E,). A
         missing (cap+1)-th value lies below the window: it counts at its edge, -width."""
         self.table.view(-1).index_copy_(0, self.cell_M, d_M)
         if self.table.device.type == "cpu":  # numpy: its row sort takes 19 against 240 us at 64 x 220
-            pair = np.sort(self.table.numpy(), axis=1)[self.rows_host, self.pick_host]
+            pair = np.take_along_axis(np.sort(self.table.numpy(), axis=1), self.pick, axis=1)
             mid = np.maximum(pair, -self.width).sum(axis=1) * 0.5
-            return torch.from_numpy(np.where(self.idle_host, self.width, np.minimum(mid, self.width)))
+            return torch.from_numpy(np.where(self.idle, self.width, np.minimum(mid, self.width)))
         rows = self.table.sort(dim=1).values
         mid = rows.gather(1, self.pick).clamp_(min=-self.width).sum(dim=1).mul_(0.5)
         return torch.where(self.idle, self.width, mid.clamp_(max=self.width))
@@ -418,15 +422,13 @@ class _Pairs:
         spread = float(moved.max() - moved.min())
         if spread >= self.width:
             return None
-        a_M = self.s_M - p.view(-1).index_select(0, self.e_M)
-        m1 = self.empty.scatter_reduce(0, self.t_M, a_M, reduce="amax")
-        gap_M = a_M - m1.index_select(0, self.t_M)  # 0 at the best, else < 0
+        a_M, m1, gap_M = self._best(p)
         at_best = self.e_M - gap_M.sign().long() * self.num_experts  # E added where not the best
         idx = self.t_M.new_full(m1.shape, self.num_experts)
         idx = idx.scatter_reduce(0, self.t_M, at_best, reduce="amin")  # lowest expert on ties
         # the runner-up is the best of the other pairs: a token tied at its best gets margin 0
         rest = torch.where(at_best == idx.index_select(0, self.t_M), float("-inf"), a_M)
-        m2 = torch.maximum(self.empty.scatter_reduce(0, self.t_M, rest, reduce="amax"), m1 - self.width)
+        m2 = (m1 - self.width).scatter_reduce_(0, self.t_M, rest, reduce="amax")
         # a pair left out was width below the best under p0; since then it may have gained the
         # spread of the price moves, so the margin is only known to be at least width - spread
         margin = (m1 - m2).clamp_(max=self.width - spread)
@@ -489,12 +491,7 @@ def _keep_best_host(idx_T: np.ndarray, margin_T: np.ndarray, cap_E: np.ndarray) 
     over = np.bincount(idx_T, minlength=cap_E.shape[0]) > cap_E
     sub = np.flatnonzero(over[idx_T])
     idx_T = idx_T.copy()
-    if sub.size:
-        expert = idx_T[sub]
-        order = np.lexsort((-margin_T[sub], expert))  # by expert, margin down, token up (stable)
-        expert = expert[order]
-        rank = np.arange(expert.size) - np.searchsorted(expert, expert)  # place within its expert
-        idx_T[sub[order[rank >= cap_E[expert]]]] = -1
+    idx_T[sub[~keep_top_claims(idx_T[sub], margin_T[sub], cap_E)]] = -1
     return idx_T
 
 
@@ -580,8 +577,8 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
     num_experts = s_ET.shape[0]
     prices = np.zeros(num_experts) if p is None else p.detach().double().cpu().numpy().ravel()
     cap = cap_E.cpu().numpy()
-    on_host = out.device.type == "cpu"  # then ``slots`` shares out's memory
-    slots = out.numpy() if on_host else out.cpu().numpy()
+    on_host = out.device.type == "cpu"
+    slots = _host(out)  # on CPU out's own memory, elsewhere a copy written back at the end
     moved = []
     while True:
         short = np.flatnonzero((slots < 0).any(axis=1))
@@ -597,7 +594,8 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
             if not on_host:
                 out.copy_(torch.from_numpy(slots))
             moved.append(_swap_in(s_ET, out, int(short[stuck[0]]), cap_E - _loads(out, num_experts)))
-            slots = out.numpy() if on_host else out.cpu().numpy()
+            if not on_host:
+                slots = _host(out)
     if not on_host:
         out.copy_(torch.from_numpy(slots))
     return moved

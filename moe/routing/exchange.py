@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["cancel_cycles", "fill_passes", "held_mask", "violations"]
+__all__ = ["cancel_cycles", "fill_passes", "held_mask", "keep_top_claims", "violations"]
 
 
 def held_mask(out_TK: Tensor, num_experts: int) -> Tensor:
@@ -234,19 +234,26 @@ def fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E
         if ok.size == 0:
             return
         margin = top[ok] - sub[ok].max(axis=1)  # inf when only one expert is allowed
-        order = ok[np.lexsort((ok, -margin, best[ok]))]  # by expert, margin down, token up
-        e = best[order]
-        rank = np.arange(order.size) - np.searchsorted(e, e)  # place among the claimants of its expert
-        win = order[rank < deficit_E[e]]
+        win = ok[keep_top_claims(best[ok], margin, deficit_E)]
         tok = short[win]
         out_NK[tok, (out_NK[tok] < 0).argmax(axis=1)] = best[win]
         deficit_E -= np.bincount(best[win], minlength=num_experts)
 
 
+def keep_top_claims(expert_N: np.ndarray, score_N: np.ndarray, room_E: np.ndarray) -> np.ndarray:
+    """(N,) bool: which of N claims each expert keeps, its ``room`` ones with the highest score
+    (ties: the earlier claim). The numpy counterpart of `moe.routing.common.drop_by_score`."""
+    order = np.lexsort((-score_N, expert_N))  # by expert, score down, position up (stable)
+    expert = expert_N[order]
+    rank = np.arange(order.size) - np.searchsorted(expert, expert)  # place among its expert's claims
+    keep = np.zeros(order.size, dtype=bool)
+    keep[order] = rank < room_E[expert]
+    return keep
+
+
 def _host(x: Tensor) -> np.ndarray:
-    """A host numpy array of ``x`` (no copy on CPU): ``x`` must be a fresh tensor nothing else
-    holds, or the array only read (bf16 and fp16 scores are normalised to fp32 before they get
-    here)."""
+    """A host numpy array of ``x``: on CPU x's own memory (writes to it reach x), elsewhere a
+    copy (bf16 and fp16 scores are normalised to fp32 before they get here)."""
     return x.detach().cpu().numpy()
 
 
