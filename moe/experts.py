@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .kernels import PermuteInfo, gather_grouped_mm, grouped_mm, grouped_mm_scatter
+from .kernels import PermuteInfo, gather_grouped_mm, grouped_mm, grouped_mm_scatter, swiglu
 
 __all__ = ["GroupedExperts", "SharedExperts"]
 
-_ACT = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_ACT = {"gelu": F.gelu, "relu": F.relu}  # swiglu: `swiglu`
 
 
 class GroupedExperts(nn.Module):
@@ -44,18 +44,24 @@ class GroupedExperts(nn.Module):
         once `moe.parallel.parallelize_moe` has made the weights DTensors (their local shards
         are used; a hidden-dim shard gives a partial sum of the output)."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
-        h = _ACT[self.activation](grouped_mm(x_MD, w1, counts_E, backend=self.backend))
-        if w3 is not None:
-            h = h * grouped_mm(x_MD, w3, counts_E, backend=self.backend)
+        h = grouped_mm(x_MD, w1, counts_E, backend=self.backend)
+        h = (
+            swiglu(h, grouped_mm(x_MD, w3, counts_E, backend=self.backend))
+            if w3 is not None
+            else _ACT[self.activation](h)
+        )
         return grouped_mm(h, w2, counts_E, backend=self.backend)
 
     def forward_fused(self, x_TD: Tensor, info: PermuteInfo, gates_TK: Tensor) -> Tensor:
         """The experts on the tokens themselves: the gather of the permutation runs inside the
         first GEMMs and the gate-weighted scatter inside the last, (T, D) -> (T, D)."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
-        h = _ACT[self.activation](gather_grouped_mm(x_TD, w1, info, backend=self.backend))
-        if w3 is not None:
-            h = h * gather_grouped_mm(x_TD, w3, info, backend=self.backend)
+        h = gather_grouped_mm(x_TD, w1, info, backend=self.backend)
+        h = (
+            swiglu(h, gather_grouped_mm(x_TD, w3, info, backend=self.backend))
+            if w3 is not None
+            else _ACT[self.activation](h)
+        )
         return grouped_mm_scatter(h, w2, info, gates_TK, backend=self.backend)
 
 
@@ -81,7 +87,6 @@ class SharedExperts(nn.Module):
                 nn.init.normal_(lin.weight, std=0.02)
 
     def forward(self, x_TD: Tensor) -> Tensor:
-        h = _ACT[self.activation](self.w1(x_TD))
-        if self.w3 is not None:
-            h = h * self.w3(x_TD)
+        h = self.w1(x_TD)
+        h = swiglu(h, self.w3(x_TD)) if self.w3 is not None else _ACT[self.activation](h)
         return self.w2(h)

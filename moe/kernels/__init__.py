@@ -3,6 +3,7 @@
 Imports nothing else of ``moe``. Each op has a pure-torch reference in `reference`.
 """
 
+from .activation import swiglu
 from .fused import gather_grouped_mm, grouped_mm_scatter
 from .grouped_mm import BACKENDS, grouped_mm
 from .permute import PermuteInfo, permute, permute_rows, sort_slots, unpermute
@@ -19,6 +20,7 @@ __all__ = [
     "permute_ref",
     "permute_rows",
     "sort_slots",
+    "swiglu",
     "unpermute",
     "unpermute_ref",
 ]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch import library as torch_library
 
+from . import workspace
 from .reference import grouped_mm_ref
 
 __all__ = ["BACKENDS", "grouped_mm", "resolve_backend"]
@@ -67,15 +68,18 @@ def _describe(t: object) -> str:
     return f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
 
 
-def _use_grouped_mm_cpu(x_MI: Tensor, w_EIN: Tensor) -> bool:
-    # forward + backward measured faster than the per-expert loop on CPU (docs/benchmarks.md);
-    # it has no fp64 kernel and needs non-empty rows and strides that are multiples of 16 bytes
+def _use_grouped_mm_cpu(x_MI: Tensor, w_EIN: Tensor, out_numel: int) -> bool:
+    # on CPU: torch._grouped_mm for results under workspace.MIN_BYTES (one call instead of a
+    # Python loop: measured faster there), else the loop writing into kept memory (measured
+    # faster in the layer, forward + backward: docs/benchmarks.md). _grouped_mm has no fp64
+    # kernel and needs non-empty rows and strides that are multiples of 16 bytes.
     size = x_MI.element_size()
     aligned = all(st == 1 or (st * size) % 16 == 0 for st in w_EIN.stride()[1:])
     return (
         x_MI.device.type == "cpu"
         and hasattr(torch, "_grouped_mm")
         and x_MI.dtype in MATMUL_DTYPES
+        and out_numel * size < workspace.MIN_BYTES
         and aligned
         and x_MI.shape[1] > 0
         and w_EIN.shape[2] > 0
@@ -105,13 +109,19 @@ def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: 
         return triton_forward(x_MI, w_EIN, counts_E, out_dtype)
     if backend == "ref":
         return grouped_mm_ref(x_MI, w_EIN, counts_E, out_dtype=out_dtype)
-    if out_dtype == x_MI.dtype and _use_grouped_mm_cpu(x_MI, w_EIN):
+    if out_dtype == x_MI.dtype and _use_grouped_mm_cpu(x_MI, w_EIN, x_MI.shape[0] * w_EIN.shape[2]):
         return torch._grouped_mm(x_MI, w_EIN, offs=_offsets(counts_E, x_MI.device))
+    out = workspace.empty((x_MI.shape[0], w_EIN.shape[2]), out_dtype, x_MI.device)
     # torch's matmuls accumulate bf16 and fp16 in fp32 (on CPU too: the same error as fp32 math
     # rounded once, measured); a wider out_dtype multiplies in that dtype
     acc = torch.promote_types(x_MI.dtype, out_dtype)
-    ys = [x_e.to(acc) @ w_EIN[e].to(acc) for e, x_e in enumerate(x_MI.split(counts_E.tolist()))]
-    return (torch.cat(ys) if ys else x_MI.new_zeros(0, w_EIN.shape[2], dtype=acc)).to(out_dtype)
+    rows = counts_E.tolist()
+    for e, (x_e, y_e) in enumerate(zip(x_MI.split(rows), out.split(rows), strict=True)):
+        if acc == out_dtype:
+            torch.mm(x_e.to(acc), w_EIN[e].to(acc), out=y_e)
+        else:
+            y_e.copy_(x_e @ w_EIN[e])
+    return out
 
 
 def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend: str) -> Tensor:
@@ -120,10 +130,19 @@ def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend
         from .triton_grouped_mm import triton_wgrad
 
         dw_EIN = triton_wgrad(x_MI, dy_MN, counts_E)
-    elif backend == "torch" and _use_grouped_mm_cpu(x_MI, dy_MN[None]):  # dY read as a (1, M, N) "weight"
-        dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=_offsets(counts_E, x_MI.device))
-    else:  # the loop, and the reference (its wgrad is this loop in fp32)
-        acc = x_MI.dtype if backend == "torch" else torch.promote_types(x_MI.dtype, torch.float32)
+    elif backend == "torch" and _use_grouped_mm_cpu(
+        x_MI, dy_MN[None], counts_E.numel() * dy_MN.shape[1] * x_MI.shape[1]
+    ):
+        dw_EIN = torch._grouped_mm(x_MI.T, dy_MN, offs=_offsets(counts_E, x_MI.device))  # dY as a (1, M, N) "w"
+    elif backend == "torch":  # straight into the weight's layout: dW[e].T = dY_e.T @ X_e
+        shape = (counts_E.shape[0], *((dy_MN.shape[1], x_MI.shape[1]) if trans_w else (x_MI.shape[1], dy_MN.shape[1])))
+        dw = workspace.empty(shape, x_MI.dtype, x_MI.device)
+        rows = counts_E.tolist()
+        for e, (x_e, dy_e) in enumerate(zip(x_MI.split(rows), dy_MN.split(rows), strict=True)):
+            torch.mm(*((dy_e.T, x_e) if trans_w else (x_e.T, dy_e)), out=dw[e])  # zeros for no rows
+        return dw
+    else:  # the reference: this loop in fp32
+        acc = torch.promote_types(x_MI.dtype, torch.float32)
         pairs = zip(x_MI.split(counts_E.tolist()), dy_MN.split(counts_E.tolist()), strict=True)
         dw_EIN = torch.stack([x_e.to(acc).T @ dy_e.to(acc) for x_e, dy_e in pairs]).to(x_MI.dtype)
     return (dw_EIN.transpose(1, 2) if trans_w else dw_EIN).contiguous()
@@ -190,8 +209,9 @@ def grouped_mm(
             on the CPU when x is on an accelerator: host counts spare the op its host syncs.
         out_dtype: result dtype (default x's). fp32, bf16 and fp16 accumulate in fp32.
         backend: "triton" (the kernels of `triton_grouped_mm`: CUDA, or CPU under
-            ``TRITON_INTERPRET=1``), "torch" (``torch._grouped_mm`` on CPU for fp32/bf16/fp16
-            rows aligned to 16 bytes, else one matmul per expert over contiguous slices), "ref"
+            ``TRITON_INTERPRET=1``), "torch" (on CPU, one matmul per expert over contiguous
+            slices into memory kept between calls by `workspace`; ``torch._grouped_mm`` for
+            results under 1 MiB when the rows are aligned to 16 bytes), "ref"
             (`grouped_mm_ref`), or "auto" (triton on CUDA, torch elsewhere). A backend that
             cannot run here raises ValueError; nothing falls back silently.
 

@@ -1,0 +1,111 @@
+"""The kept CPU memory of `moe.kernels.workspace`: reused only when nothing else holds it."""
+
+import threading
+
+import pytest
+import torch
+
+from moe.kernels import workspace
+
+CPU = torch.device("cpu")
+BIG = (512, 1024)  # 2 MiB of fp32: kept
+
+
+@pytest.fixture(autouse=True)
+def fresh_workspace():
+    workspace.release()
+    yield
+    workspace.set_limit(2 << 30)
+    workspace.release()
+
+
+def test_unused_block_is_reused_and_shaped_as_asked():
+    a = workspace.empty(BIG, torch.float32, CPU)
+    ptr = a.data_ptr()
+    del a
+    b = workspace.empty((300, 1024), torch.float32, CPU)  # smaller, but over half the block
+    assert b.data_ptr() == ptr and b.shape == (300, 1024) and b.is_contiguous()
+    del b
+    c = workspace.empty((512, 2048), torch.bfloat16, CPU)  # the same bytes as another dtype
+    assert c.data_ptr() == ptr and c.dtype == torch.bfloat16
+    assert workspace.kept_bytes() == 2 << 20
+
+
+def test_block_in_use_is_not_handed_out():
+    a = workspace.empty(BIG, torch.float32, CPU)
+    ptr = a.data_ptr()
+    view = a[1:]  # a view still holds the storage
+    del a
+    assert workspace.empty(BIG, torch.float32, CPU).data_ptr() != ptr
+    del view
+    assert workspace.empty(BIG, torch.float32, CPU).data_ptr() == ptr
+
+
+def test_block_saved_for_backward_stays_until_the_graph_goes():
+    w = torch.randn(BIG, requires_grad=True)
+    a = workspace.empty(BIG, torch.float32, CPU).fill_(2.0)
+    ptr = a.data_ptr()
+    loss = (a * w).sum()  # autograd saves a for w's gradient
+    del a
+    b = workspace.empty(BIG, torch.float32, CPU).fill_(-1.0)  # must not overwrite the saved a
+    assert b.data_ptr() != ptr
+    loss.backward()
+    assert bool((w.grad == 2.0).all())
+    del loss, b
+    assert workspace.empty(BIG, torch.float32, CPU).data_ptr() == ptr  # the first of two equal blocks
+
+
+def test_too_large_or_too_small_blocks_are_not_used():
+    a = workspace.empty(BIG, torch.float32, CPU)
+    ptr = a.data_ptr()
+    del a
+    assert workspace.empty((200, 1024), torch.float32, CPU).data_ptr() != ptr  # under half: its own block
+    assert workspace.empty((1024, 1024), torch.float32, CPU).data_ptr() != ptr  # over: a new block
+
+
+def test_small_tensors_and_other_devices_are_plain_allocations():
+    small = workspace.empty((16, 16), torch.float32, CPU)
+    meta = workspace.empty(BIG, torch.float32, torch.device("meta"))
+    assert small.shape == (16, 16) and meta.device.type == "meta" and meta.shape == BIG
+    assert workspace.kept_bytes() == 0
+
+
+def test_limit_and_release():
+    workspace.set_limit(3 << 20)
+    a = workspace.empty(BIG, torch.float32, CPU)  # 2 MiB kept
+    b = workspace.empty(BIG, torch.float32, CPU)  # would exceed 3 MiB while a is in use: not kept
+    assert workspace.kept_bytes() == 2 << 20
+    del a, b
+    c = workspace.empty((1024, 1024), torch.float32, CPU)  # 4 MiB: over the limit even alone
+    assert workspace.kept_bytes() == 0  # the unused 2 MiB block was dropped to try to make room
+    workspace.set_limit(8 << 20)
+    d = workspace.empty(BIG, torch.float32, CPU)
+    assert workspace.kept_bytes() == 2 << 20
+    workspace.set_limit(0)  # unused blocks beyond the limit go now; the one in use stays
+    assert workspace.kept_bytes() == 2 << 20
+    del d
+    workspace.set_limit(0)
+    assert workspace.kept_bytes() == 0
+    workspace.set_limit(8 << 20)
+    e = workspace.empty(BIG, torch.float32, CPU)
+    workspace.release()
+    assert workspace.kept_bytes() == 0 and e.shape == BIG and c.shape == (1024, 1024)
+    with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
+        workspace.set_limit(-1)
+
+
+def test_threads_keep_their_own_blocks():
+    a = workspace.empty(BIG, torch.float32, CPU)
+    ptr = a.data_ptr()
+    del a
+    seen = []
+
+    def other():
+        seen.append((workspace.kept_bytes(), workspace.empty(BIG, torch.float32, CPU).data_ptr()))
+        workspace.release()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen[0][0] == 0 and seen[0][1] != ptr and workspace.kept_bytes() == 2 << 20
+    assert workspace.empty(BIG, torch.float32, CPU).data_ptr() == ptr
