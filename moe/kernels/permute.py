@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch import library as torch_library
 
+from . import workspace
 from .grouped_mm import resolve_backend
 
 __all__ = ["BACKENDS", "PermuteInfo", "permute", "permute_rows", "sort_slots", "unpermute"]
@@ -123,6 +124,61 @@ def _unpermute_backward(ctx, dout_TD):
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
+# The torch path: a gather and a weighted scatter-add with hand-written backwards, every large
+# result in `workspace` memory (kept between steps on CPU, where fresh memory page-faults).
+class _TorchPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, token: Tensor) -> Tensor:
+        ctx.save_for_backward(token)
+        ctx.num_tokens = x_TD.shape[0]
+        return torch.index_select(x_TD, 0, token, out=_empty(token.shape[0], x_TD))  # 3x faster than x[idx]
+
+    @staticmethod
+    def backward(ctx, dxs_MD: Tensor) -> tuple[Tensor, None]:
+        (token,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: tracked ops
+            return dxs_MD.new_zeros(ctx.num_tokens, dxs_MD.shape[1]).index_add(0, token, dxs_MD), None
+        return _empty(ctx.num_tokens, dxs_MD).zero_().index_add_(0, token, dxs_MD), None
+
+
+class _TorchUnpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor) -> Tensor:
+        acc = torch.promote_types(y_MD.dtype, torch.float32)
+        w_M = weights_TK.reshape(-1)[slot].to(acc)
+        scaled = torch.mul(y_MD, w_M[:, None], out=_empty(y_MD.shape[0], y_MD, acc))
+        out = _empty(weights_TK.shape[0], y_MD, acc).zero_().index_add_(0, token, scaled)
+        ctx.save_for_backward(y_MD, weights_TK, slot, token)
+        return out.to(y_MD.dtype)
+
+    @staticmethod
+    def backward(ctx, dout_TD: Tensor):
+        y_MD, weights_TK, slot, token = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the same formulas in tracked ops
+            return (*_unpermute_grads_tracked(dout_TD, y_MD, weights_TK, slot, token), None, None)
+        acc = torch.promote_types(y_MD.dtype, torch.float32)
+        d_rows = torch.index_select(dout_TD.to(acc), 0, token, out=_empty(token.shape[0], y_MD, acc))
+        dw = None
+        if ctx.needs_input_grad[1]:  # <dout[t], y[row]> per kept slot, zero where dropped
+            dots = torch.mul(d_rows, y_MD, out=_empty(token.shape[0], y_MD, acc)).sum(dim=1)
+            dw = weights_TK.new_zeros(weights_TK.numel()).index_copy_(0, slot, dots.to(weights_TK.dtype))
+            dw = dw.view_as(weights_TK)
+        dy = d_rows.mul_(weights_TK.reshape(-1)[slot].to(acc)[:, None]) if ctx.needs_input_grad[0] else None
+        return (dy if dy is None or dy.dtype == y_MD.dtype else dy.to(y_MD.dtype)), dw, None, None
+
+
+def _unpermute_grads_tracked(dout_TD, y_MD, weights_TK, slot, token) -> tuple[Tensor, Tensor]:
+    acc = torch.promote_types(y_MD.dtype, torch.float32)
+    d_rows = dout_TD.to(acc).index_select(0, token)
+    dots = (d_rows * y_MD.to(acc)).sum(dim=1).to(weights_TK.dtype)
+    dw = weights_TK.new_zeros(weights_TK.numel()).index_copy(0, slot, dots).view_as(weights_TK)
+    return (d_rows * weights_TK.reshape(-1)[slot].to(acc)[:, None]).to(y_MD.dtype), dw
+
+
+def _empty(rows: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return workspace.empty((rows, like.shape[1]), dtype or like.dtype, like.device)
+
+
 def sort_slots(expert_idx_TK: Tensor, *, num_experts: int, num_rows: int | None = None) -> PermuteInfo:
     """The `PermuteInfo` of sorting the kept slots by expert (stable), without moving any rows:
     what the fused ops of `moe.kernels.fused` take. ``expert_idx``: (T, K) int64 in [-1, E),
@@ -193,7 +249,7 @@ def permute_rows(x_TD: Tensor, info: PermuteInfo, *, backend: str = "auto") -> T
         raise ValueError(f"x must be a (T={info.num_tokens}, D) tensor, got {getattr(x_TD, 'shape', None)}")
     if _resolve(backend, x_TD) == "triton":
         return _permute_op(x_TD.contiguous(), info.token, info.row_of_slot, info.top_k)
-    return x_TD.index_select(0, info.token)  # index_select: about 3x faster than x[idx] on CPU
+    return _TorchPermute.apply(x_TD, info.token)
 
 
 def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: str = "auto") -> Tensor:
@@ -208,8 +264,4 @@ def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: s
         raise ValueError(f"weights must be (T, K) = {(info.num_tokens, info.top_k)}, got {tuple(weights_TK.shape)}")
     if _resolve(backend, y_MD) == "triton":
         return _unpermute_op(y_MD.contiguous(), weights_TK, info.row_of_slot, info.slot, info.token)
-    acc = torch.promote_types(y_MD.dtype, torch.float32)
-    w_M = weights_TK.reshape(-1)[info.slot].to(acc)
-    out = y_MD.new_zeros(info.num_tokens, y_MD.shape[1], dtype=acc)
-    out = out.index_add(0, info.token, y_MD.to(acc) * w_M[:, None])
-    return out.to(y_MD.dtype)
+    return _TorchUnpermute.apply(y_MD, weights_TK, info.slot, info.token)

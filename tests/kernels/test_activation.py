@@ -70,3 +70,13 @@ def test_retain_graph_and_higher_derivatives():
 def test_bad_input_raises(gate, up, match):
     with pytest.raises(ValueError, match=match):
         swiglu(gate, up)
+
+
+def test_compiles_without_graph_breaks():
+    gate, up = pair((37, 24), torch.float32, 0)
+    compiled = torch.compile(lambda g, u: swiglu(g, u).square().sum(), backend="aot_eager", fullgraph=True)
+    compiled(gate, up).backward()
+    g2, u2 = gate.detach().requires_grad_(), up.detach().requires_grad_()
+    (F.silu(g2) * u2).square().sum().backward()
+    torch.testing.assert_close(gate.grad, g2.grad)
+    torch.testing.assert_close(up.grad, u2.grad)
