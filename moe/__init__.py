@@ -1,7 +1,7 @@
 """Mixture-of-Experts layers for PyTorch."""
 
 from .config import MoEConfig
-from .layer import MoE, aux_loss
+from .layer import MoE, aux_loss, release_work_buffers
 from .routing import (
     BaseRouter,
     ExpertChoiceRouter,
@@ -17,6 +17,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "aux_loss",
+    "release_work_buffers",
     "BaseRouter",
     "ExpertChoiceRouter",
     "RouterConfig",

@@ -16,11 +16,12 @@ from torch import Tensor, nn
 
 from .config import MoEConfig
 from .experts import GroupedExperts, SharedExperts
-from .kernels import permute, sort_slots, unpermute
+from .kernels import permute, sort_slots, unpermute, workspace
 from .routing import RoutingResult, build_router
+from .routing import release_work_buffers as _release_routing_buffers
 from .routing.common import in_backward
 
-__all__ = ["MoE", "aux_loss"]
+__all__ = ["MoE", "aux_loss", "release_work_buffers"]
 
 
 class MoE(nn.Module):
@@ -115,3 +116,12 @@ def aux_loss(model: nn.Module) -> Tensor:
         param = next(model.parameters(), None)
         return torch.zeros((), device=param.device if param is not None else None)
     return total
+
+
+def release_work_buffers() -> None:
+    """Free the CPU memory this thread keeps between steps: the blocks of
+    `moe.kernels.workspace` (the layer's large results, up to its limit, 2 GiB by default) and
+    the BASE solver's work buffers (`moe.routing.release_work_buffers`). Later steps make and
+    keep new ones; `moe.kernels.workspace.set_limit(0)` stops the keeping."""
+    workspace.release()
+    _release_routing_buffers()

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import moe
 from moe import MoE, MoEConfig, aux_loss
 from moe.routing import expert_capacities
 
@@ -110,6 +111,28 @@ def test_gradients_reach_router_and_experts_and_aux_loss_is_collected_once():
     for p in (x, layer.router.weight, layer.experts.w1, layer.experts.w2, layer.experts.w3):
         assert p.grad is not None and p.grad.abs().sum() > 0
     assert layer.last_routing.weights.grad_fn is None  # the kept copy holds no graph
+
+
+def test_kept_memory_changes_no_result_and_is_released():
+    from moe.kernels import workspace
+
+    layer = make("tiny", dim=256, hidden_dim=512, num_experts=4, top_k=2, router="topk", combine="weighted")
+    x = torch.randn(1024, 256, generator=torch.Generator().manual_seed(0))
+    moe.release_work_buffers()
+    results = []
+    for _ in range(3):  # first step in fresh memory, then twice in the memory kept from before
+        xg = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        y = layer(xg)
+        (y * torch.linspace(-1, 1, 256)).sum().backward()
+        results.append([y.detach().clone(), xg.grad.clone(), layer.experts.w1.grad.clone()])
+        assert workspace.kept_bytes() > 0
+    for later in results[1:]:
+        for a, b in zip(results[0], later, strict=True):
+            assert torch.equal(a, b)
+    assert not torch.equal(results[0][0], torch.zeros_like(results[0][0]))
+    moe.release_work_buffers()
+    assert workspace.kept_bytes() == 0
 
 
 def test_bf16_and_empty_input():
