@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_meta, timed, write_section
+from benchmarks.common import run_meta, timed_turns, write_section
 from moe.kernels import gather_grouped_mm, grouped_mm, sort_slots
 
 SHAPES = {"mixtral-8x7b": dict(E=8, I=4096, N=14336, k=2), "deepseek-v3": dict(E=32, I=7168, N=2048, k=8)}
@@ -39,13 +40,12 @@ def make_counts(m: int, e: int, skewed: bool) -> torch.Tensor:
     return counts
 
 
-def measure(fn, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, repeats: int, sync) -> tuple[float, float]:
-    """Median seconds of fn forward, and of forward + backward into x and w (no accumulation)."""
-    fwd, _ = timed(lambda: fn(x, w, counts), repeats, sync)
-    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+def closures(fn, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """fn forward, and forward + backward into x and w (no accumulation), as functions of no
+    arguments; runs fn once, so a method that cannot run here raises now."""
     dy = torch.randn_like(fn(x, w, counts))
-    fb, _ = timed(lambda: torch.autograd.grad(fn(xg, wg, counts), (xg, wg), dy), repeats, sync)
-    return fwd, fb
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    return (lambda: fn(x, w, counts)), (lambda: torch.autograd.grad(fn(xg, wg, counts), (xg, wg), dy))
 
 
 def methods(device: torch.device) -> dict:
@@ -105,26 +105,28 @@ def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) ->
             counts = make_counts(m, e, skewed).to(device)
             cases = {meth: (fn, w) for meth, fn in methods(device).items()}
             cases["dense (same FLOPs)"] = (lambda x, w, c: x @ w, w[0].contiguous())  # one (I, N) weight
-            dense_fwd = dense_bwd = None
+            fwd_fns, fb_fns, sizes = {}, {}, {}
             for meth, (fn, weight) in cases.items():
                 try:
-                    fwd, fb = measure(fn, x, weight, counts, repeats, sync)
+                    fwd_fns[meth], fb_fns[meth] = closures(fn, x, weight, counts)
                 except (RuntimeError, NotImplementedError) as err:  # e.g. a dtype a peer lacks
                     print(f"skip {meth} on {name}: {err}", file=sys.stderr)
-                    continue
-                if meth.startswith("dense"):
-                    dense_fwd, dense_bwd = fwd, fb
-                rows.append(_row(name, (m, i, n, e), skewed, meth, fwd, fb))
+                sizes[meth] = (m, i, n, e)
             if device.type == "cuda":  # the fusion only changes anything with the triton kernels
                 fused, t = gather_methods(counts, sh["k"], "triton")
                 x_tokens = torch.randn(t, i, generator=g).to(device, dtype)
                 for meth, fn in fused.items():
-                    fwd, fb = measure(fn, x_tokens, w, counts, repeats, sync)
-                    rows.append(_row(name, (t * sh["k"], i, n, e), skewed, meth, fwd, fb))
-            for r in rows:
-                if r["shape"] == name and r["counts"] == ("skewed" if skewed else "uniform") and dense_fwd:
-                    r["fwd_vs_dense"] = dense_fwd * 1e3 / r["fwd_ms"]
-                    r["fwdbwd_vs_dense"] = dense_bwd * 1e3 / r["fwdbwd_ms"]
+                    fwd_fns[meth], fb_fns[meth] = closures(fn, x_tokens, w, counts)
+                    sizes[meth] = (t * sh["k"], i, n, e)
+            # the methods take turns within each repeat, so drift in the machine's speed hits them alike
+            fwd_t, fb_t = timed_turns(fwd_fns, repeats, sync), timed_turns(fb_fns, repeats, sync)
+            dense = "dense (same FLOPs)"
+            for meth in fwd_fns:
+                fwd, fb = statistics.median(fwd_t[meth]), statistics.median(fb_t[meth])
+                row = _row(name, sizes[meth], skewed, meth, fwd, fb)
+                row["fwd_vs_dense"] = statistics.median(fwd_t[dense]) / fwd
+                row["fwdbwd_vs_dense"] = statistics.median(fb_t[dense]) / fb
+                rows.append(row)
     return rows
 
 
@@ -132,7 +134,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"Command: `{meta['command']}` on {meta['machine']} ({meta['threads']} torch threads, torch {meta['torch']}), "
         f"{meta['date']}, {meta['dtype']}, shapes scaled by "
-        f"{meta['scale']} (M, I, N). Median of {meta['repeats']} repeats. x dense = time of one dense GEMM with the "
+        f"{meta['scale']} (M, I, N). Median of {meta['repeats']} repeats, the methods taking turns within each. "
+        "x dense = time of one dense GEMM with the "
         "same FLOPs / time of the method (1.0 = the dense ceiling).",
         "",
         "| shape | M x I x N | counts | method | fwd ms | fwd TFLOP/s | fwd x dense | fwd+bwd ms | fwd+bwd x dense |",

@@ -5,17 +5,23 @@ experts implementations) and a dense SwiGLU doing the same FLOPs, forward + back
     python -m benchmarks.moe_layer --docs    # also rewrite its section of docs/benchmarks.md
 
 All modules hold the same weights (initialised N(0, 0.02)); the dense SwiGLU runs T*k tokens
-through one expert, the practical ceiling. Reports the median ms of forward + backward,
-tokens/s, the ratio to dense and our speedup over each transformers variant.
+through one expert, the practical ceiling; below it, the nine GEMMs of its forward + backward
+alone, writing into memory made once (no activation, no allocation: what no implementation
+doing these FLOPs with this BLAS can beat). Reports the median ms of forward + backward,
+tokens/s, the peak memory of two steps (`peak_mib`), the ratio to dense and our speedup over
+each transformers variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,14 +31,19 @@ import torch.nn.functional as F
 from benchmarks.common import run_meta, timed_turns, write_section
 from moe import MoE, MoEConfig
 
+DENSE = "dense SwiGLU (same FLOPs)"
+FLOOR = "its 9 GEMMs alone, no allocation"
+
 
 def fwd_bwd(module, x):
     x = x.detach().requires_grad_()
     y = module(x)
-    y.backward(torch.ones_like(y))
+    if y.requires_grad:  # all but the GEMM floor
+        y.backward(torch.ones_like(y))
 
 
-def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> list[dict]:
+def build(d: int, f: int, e: int, k: int, t: int, dtype, device, only: str | None = None) -> dict:
+    """name -> a function running one forward + backward; ``only`` builds just that method."""
     from transformers.models.mixtral import modeling_mixtral as mm
 
     from moe.adapters.hf import to_mixtral
@@ -40,7 +51,6 @@ def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> 
     torch.manual_seed(0)
     ours = MoE(MoEConfig(dim=d, hidden_dim=f, num_experts=e, top_k=k)).to(device, dtype)
     x = torch.randn(1, t, d, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
     cases = {"ours (moe.MoE)": ours}
     if device.type == "cuda":  # the fused permutation changes something only with the triton kernels
         fused = MoE(dataclasses.replace(ours.config, fused=True)).to(device, dtype)
@@ -48,13 +58,17 @@ def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> 
         cases["ours (moe.MoE, fused)"] = fused
     state = to_mixtral(ours).state_dict()  # the same weights in Mixtral's layout
     for impl in ("eager", "grouped_mm", "batched_mm"):
+        name = f"transformers Mixtral ({impl})"
+        if only not in (None, name):
+            continue
         try:
             mm_cfg = mm.MixtralConfig(hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k)
             mm_cfg._experts_implementation = impl
             fresh = mm.MixtralSparseMoeBlock(mm_cfg).to(device, dtype)
             fresh.load_state_dict(state)
-            fwd_bwd(fresh, x)  # an implementation this install lacks raises here
-            cases[f"transformers Mixtral ({impl})"] = fresh
+            if only is None:
+                fwd_bwd(fresh, x)  # an implementation this install lacks raises here
+            cases[name] = fresh
         except (ValueError, KeyError, RuntimeError, NotImplementedError) as err:
             print(f"skip transformers experts implementation {impl!r}: {err}", file=sys.stderr)
     w1, w3, w2 = (
@@ -69,18 +83,72 @@ def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int) -> 
         x2 = x_.reshape(-1, d).repeat(k, 1)  # T*k tokens through one expert: the same FLOPs
         return (F.silu(x2 @ w1) * (x2 @ w3)) @ w2
 
-    cases["dense SwiGLU (same FLOPs)"] = dense
+    cases[DENSE] = dense
+    m = t * k  # the floor: the nine GEMMs of forward + backward alone, into memory made once
+    a_mf, b_mf, x_md, y_md = (torch.randn(m, n, device=device, dtype=dtype) for n in (f, f, d, d))
+    dw_df, dw_fd = torch.empty(d, f, device=device, dtype=dtype), torch.empty(f, d, device=device, dtype=dtype)
+
+    def gemms(_x):
+        for w_in, out in ((w1, a_mf), (w3, b_mf)):  # forward: x @ w1, x @ w3, then h @ w2
+            torch.mm(x_md, w_in.detach(), out=out)
+        torch.mm(a_mf, w2.detach(), out=y_md)
+        torch.mm(y_md, w2.detach().T, out=b_mf)  # dgrad of w2, then of w1 and w3
+        torch.mm(a_mf, w1.detach().T, out=x_md)
+        torch.mm(b_mf, w3.detach().T, out=y_md)
+        torch.mm(a_mf.T, y_md, out=dw_fd)  # wgrad of w2, w1, w3
+        torch.mm(x_md.T, a_mf, out=dw_df)
+        torch.mm(x_md.T, b_mf, out=dw_df)
+        return y_md
+
+    cases[FLOOR] = gemms
+    return {name: (lambda module=module: fwd_bwd(module, x)) for name, module in cases.items() if only in (None, name)}
+
+
+def run(d: int, f: int, e: int, k: int, t: int, dtype, device, repeats: int, memory: bool = True) -> list[dict]:
+    fns = build(d, f, e, k, t, dtype, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
     rows = []
-    fns = {name: (lambda module=module: fwd_bwd(module, x)) for name, module in cases.items()}
     for name, times in timed_turns(fns, repeats, sync).items():  # side by side, taking turns
         sec = statistics.median(times)
         rows.append({"method": name, "ms": sec * 1e3, "tokens_per_s": t / sec})
-    dense_ms = rows[-1]["ms"]
+    dense_ms = next(r["ms"] for r in rows if r["method"] == DENSE)
     ours_ms = rows[0]["ms"]
     for r in rows:
         r["x_dense"] = r["ms"] / dense_ms
         r["ours_speedup"] = r["ms"] / ours_ms
+        if memory and r["method"] != FLOOR:
+            r["peak_mib"] = peak_mib(r["method"], (d, f, e, k, t), dtype, device, fns[r["method"]])
     return rows
+
+
+def peak_mib(name: str, shape: tuple, dtype, device, fn) -> float:
+    """MiB that two forward + backward steps of one method add at their peak: on CUDA, allocated
+    memory over what was allocated before; on CPU, the resident set's peak over its size before,
+    each method in a fresh process (so none reuses memory another one left behind)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(), fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--peak-of", name, "--dtype", str(dtype).split(".")[1]]
+    root = Path(__file__).resolve().parents[1]  # where `benchmarks` imports from
+    out = subprocess.run([*cmd, "--shape", *map(str, shape)], capture_output=True, text=True, check=True, cwd=root)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _peak_here(name: str, shape: tuple, dtype) -> float:
+    fn = build(*shape, dtype, torch.device("cpu"), only=name)[name]
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak resident set restarts from here
+    base = _status_kib("VmRSS")
+    fn(), fn()
+    return (_status_kib("VmHWM") - base) / 1024
+
+
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -90,12 +158,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"F={meta['f']}, E={meta['e']}, k={meta['k']}, T={meta['t']}. Forward + backward, median of {meta['repeats']} "
         "(the methods taking turns within each repeat).",
         "",
-        "| method | ms | tokens/s | time / dense | our speedup over it |",
-        "|---|---|---|---|---|",
+        "| method | ms | tokens/s | peak MiB | time / dense | our speedup over it |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
         lines.append(
-            f"| {r['method']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['x_dense']:.2f} "
+            f"| {r['method']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {peak} | {r['x_dense']:.2f} "
             f"| {r['ours_speedup']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
@@ -109,10 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/moe_layer")))
     ap.add_argument("--docs", action="store_true")
+    ap.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # one method's peak memory, CPU
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     d, f, e, k, t = args.shape or ((4096, 14336, 8, 2, 16384) if device.type == "cuda" else (512, 1408, 8, 2, 4096))
     dtype = getattr(torch, args.dtype)
+    if args.peak_of:
+        print(_peak_here(args.peak_of, (d, f, e, k, t), dtype))
+        return
     rows = run(d, f, e, k, t, dtype, device, args.repeats)
     meta = {
         **run_meta("benchmarks.moe_layer", argv, device),
