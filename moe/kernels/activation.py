@@ -3,15 +3,16 @@
     a = s * up,  s = silu(gate)
     d_up = da * s,  d_gate = silu'(gate) * (da * up)
 
-Three elementwise passes each way, the fewest for these formulas, and every (M, F) result in
-memory of `workspace` (kept between steps on CPU). Autograd on ``F.silu(gate) * up`` does the
-same passes, but into fresh memory each time: on CPU that is a page fault per 4 KiB of each
-of its five (M, F) results per step.
+Two elementwise passes forward (silu, mul) and three backward (two muls, silu's backward), as
+autograd on ``F.silu(gate) * up`` runs, with the same results; but every (M, F) result (s and
+a forward, d_up and d_gate backward) in memory of `workspace`, kept between steps on CPU, where
+autograd's land in fresh memory each step: a page fault per 4 KiB of each.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import workspace
@@ -34,9 +35,9 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da: Tensor) -> tuple[Tensor | None, Tensor | None]:
         gate, up, s = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: differentiable ops, for a second derivative
+        if torch.is_grad_enabled():  # create_graph: tracked ops, as autograd's own for silu * up
             sig = torch.sigmoid(gate)
-            return da * up * sig * (1 + gate * (1 - sig)), da * gate * sig
+            return da * up * sig * (1.0 + gate * (1.0 - sig)), da * F.silu(gate)
         d_up = torch.mul(da, s, out=_like(s)) if ctx.needs_input_grad[1] else None
         d_gate = None
         if ctx.needs_input_grad[0]:
@@ -46,9 +47,11 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """``F.silu(gate) * up`` for two tensors of one shape, dtype and device. Differentiable; a
-    backward with ``create_graph=True`` runs plain autograd-tracked ops instead of the in-place
-    ones, so higher derivatives are right too."""
+    """``F.silu(gate) * up`` for two tensors of one shape, dtype and device, with the results of
+    autograd's ops, bit for bit. On CPU its results live in `workspace` memory; a backward with
+    ``create_graph=True`` then runs the tracked ops autograd runs, so higher derivatives are
+    right too. On other devices, under ``torch.func`` transforms and in forward-mode AD it is
+    ``F.silu(gate) * up`` itself."""
     if not isinstance(gate, Tensor) or not isinstance(up, Tensor):
         raise ValueError(f"gate and up must be tensors, got {type(gate).__name__} and {type(up).__name__}")
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
@@ -58,6 +61,8 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         )
     if not gate.is_floating_point():
         raise ValueError(f"gate and up must be floating tensors, got {gate.dtype}")
+    if not workspace.usable(gate, up):  # GPUs, torch.func, forward-mode AD: autograd's ops
+        return F.silu(gate) * up
     if not (gate.requires_grad or up.requires_grad) or not torch.is_grad_enabled():
         s = torch.ops.aten.silu.out(gate, out=_like(gate))
         return s.mul_(up)

@@ -119,8 +119,8 @@ def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: 
     for e, (x_e, y_e) in enumerate(zip(x_MI.split(rows), out.split(rows), strict=True)):
         if acc == out_dtype:
             torch.mm(x_e.to(acc), w_EIN[e].to(acc), out=y_e)
-        else:
-            y_e.copy_(x_e @ w_EIN[e])
+        else:  # e.g. fp16 rows stored as bf16: multiply in fp32, round once
+            y_e.copy_(x_e.to(acc) @ w_EIN[e].to(acc))
     return out
 
 

@@ -249,7 +249,9 @@ def permute_rows(x_TD: Tensor, info: PermuteInfo, *, backend: str = "auto") -> T
         raise ValueError(f"x must be a (T={info.num_tokens}, D) tensor, got {getattr(x_TD, 'shape', None)}")
     if _resolve(backend, x_TD) == "triton":
         return _permute_op(x_TD.contiguous(), info.token, info.row_of_slot, info.top_k)
-    return _TorchPermute.apply(x_TD, info.token)
+    if workspace.usable(x_TD):
+        return _TorchPermute.apply(x_TD, info.token)
+    return x_TD.index_select(0, info.token)  # index_select: about 3x faster than x[idx] on CPU
 
 
 def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: str = "auto") -> Tensor:
@@ -264,4 +266,11 @@ def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: s
         raise ValueError(f"weights must be (T, K) = {(info.num_tokens, info.top_k)}, got {tuple(weights_TK.shape)}")
     if _resolve(backend, y_MD) == "triton":
         return _unpermute_op(y_MD.contiguous(), weights_TK, info.row_of_slot, info.slot, info.token)
-    return _TorchUnpermute.apply(y_MD, weights_TK, info.slot, info.token)
+    if workspace.usable(y_MD, weights_TK):
+        return _TorchUnpermute.apply(y_MD, weights_TK, info.slot, info.token)
+    acc = torch.promote_types(y_MD.dtype, torch.float32)
+    w_M = weights_TK.reshape(-1)[info.slot].to(acc)
+    out = y_MD.new_zeros(info.num_tokens, y_MD.shape[1], dtype=acc).index_add(
+        0, info.token, y_MD.to(acc) * w_M[:, None]
+    )
+    return out.to(y_MD.dtype)

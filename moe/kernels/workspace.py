@@ -2,39 +2,56 @@
 
 On CPU a fresh allocation of tens of MB comes straight from the OS, and every 4 KiB page of it
 faults on first touch: writing a fresh (8192, 1408) fp32 GEMM output took 10-12 ms longer than
-writing the same output into memory already touched (about a quarter of the GEMM itself; the
-figures are in docs/benchmarks.md). `empty` hands out memory that is kept between calls, as
+writing the same output into memory already touched (about a quarter of the GEMM itself;
+docs/kernels.md, "Kept memory on CPU"). `empty` hands out memory that is kept between calls, as
 CUDA's caching allocator does on GPUs, where it is not needed and `empty` is ``torch.empty``.
 
-A kept block is reused only when nothing else references it: the tensors made from it (the
-op's output, what autograd saved, any view) all hold its storage, whose use count then exceeds
-the one reference kept here. So an output the caller keeps, or one autograd saved for a
-backward that never ran, is never handed out again while it is alive. Each thread keeps its own
-blocks (at most `limit_bytes` in all); `release` frees them.
+A kept block is handed out again only when nothing but the list of kept blocks references it:
+every tensor made from it (the op's output, what autograd saved, any view) holds its storage,
+raising the storage's use count, and a Python reference to the storage object itself (from
+``t.untyped_storage()``) raises that object's reference count. A block moved to shared memory
+(sent to another process) is forgotten. So an output the caller keeps, or one autograd saved
+for a backward that never ran, is never handed out again while it is alive. Each thread keeps
+its own blocks, up to the limit (`set_limit`); `release` forgets them.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["empty", "kept_bytes", "release", "set_limit"]
+__all__ = ["MIN_BYTES", "empty", "kept_bytes", "release", "set_limit", "usable"]
 
 MIN_BYTES = 1 << 20  # smaller tensors come from the heap, whose pages are already touched
-_limit = [2 << 30]  # bytes one thread keeps at most
+_limit = [2 << 30]  # bytes each thread keeps at most
 _local = threading.local()
+
+
+def usable(*tensors: Tensor) -> bool:
+    """Whether the ops' kept-memory paths (autograd functions writing into `empty`) serve these
+    inputs: CPU tensors, outside ``torch.func`` transforms and forward-mode AD, which those
+    functions do not support, and outside ``torch.compile``'s tracing. Elsewhere the ops run
+    plain torch ops (on GPUs the caching allocator already reuses memory)."""
+    if torch.compiler.is_compiling():  # traced: the compiler's own ops and memory planning
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    forward_ad = getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+    return tensors[0].device.type == "cpu" and not forward_ad and not any(wrapped(t) for t in tensors)
 
 
 def set_limit(nbytes: int) -> None:
     """Keep at most ``nbytes`` of CPU memory per thread for reuse (default 2 GiB; 0 keeps none).
-    Unused blocks beyond the new limit are freed now."""
-    if not isinstance(nbytes, int) or nbytes < 0:
+    Each thread drops its unused blocks beyond the limit at its next `empty` (this one now),
+    and blocks in use beyond it once they are unused."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     _limit[0] = nbytes
-    _make_room(0)
+    _make_room(_blocks(), 0)
 
 
 def release() -> None:
@@ -52,33 +69,57 @@ def _blocks() -> list[torch.UntypedStorage]:
     return _local.__dict__.setdefault("blocks", [])
 
 
-def _unused(storage: torch.UntypedStorage) -> bool:
-    return torch._C._storage_Use_Count(storage._cdata) == 1  # only the reference in the list
+def _py_refs(blocks: list, i: int) -> int:
+    return sys.getrefcount(blocks[i])
 
 
-def _make_room(nbytes: int) -> bool:
-    """Drop unused blocks, largest first, until ``nbytes`` more fit under the limit."""
-    blocks = _blocks()
+_LIST_ONLY = _py_refs([torch.UntypedStorage(0)], 0)  # Python references when only a list holds one
+
+
+def _unused(blocks: list, i: int) -> bool:
+    """No tensor uses block i (its storage's use count is the one of its storage object) and
+    nothing but the list holds that object."""
+    return torch._C._storage_Use_Count(blocks[i]._cdata) == 1 and _py_refs(blocks, i) <= _LIST_ONLY
+
+
+def _make_room(blocks: list, nbytes: int) -> bool:
+    """Forget shared blocks, then unused ones, largest first, until ``nbytes`` more fit under
+    the limit; whether they do."""
+    blocks[:] = [s for s in blocks if not s.is_shared()]  # now another process's too
     while sum(s.nbytes() for s in blocks) + nbytes > _limit[0]:
-        unused = [s for s in blocks if _unused(s)]
+        unused = [i for i in range(len(blocks)) if _unused(blocks, i)]
         if not unused:
             return False
-        blocks.remove(max(unused, key=lambda s: s.nbytes()))
+        del blocks[max(unused, key=lambda i: blocks[i].nbytes())]
     return True
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """An uninitialised contiguous tensor, like ``torch.empty``. On CPU, for tensors of at
-    least 1 MiB, it is made from a kept block nothing else uses (the smallest with room for it,
-    at most twice its size), else from a new block, kept if it fits under the limit."""
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """An uninitialised contiguous tensor, like ``torch.empty(shape, dtype=dtype, device=device)``.
+
+    On CPU, for tensors of at least 1 MiB, it is made from a kept block nothing else uses (the
+    smallest with room for it, at most twice its size), else from a new block, kept if it fits
+    under the limit. Elsewhere, under ``torch.compile``'s tracing and under any Python dispatch
+    mode (e.g. fake tensors), it is a plain ``torch.empty``."""
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    device = torch.device(device)
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise ValueError(f"shape must be a sequence of ints >= 0, got {shape!r}")
+    shape = tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes < MIN_BYTES or torch.compiler.is_compiling():
+    plain = device.type != "cpu" or nbytes < MIN_BYTES or torch.compiler.is_compiling()
+    if plain or _get_current_dispatch_mode() is not None:
         return torch.empty(shape, dtype=dtype, device=device)
     blocks = _blocks()
-    fits = [s for s in blocks if nbytes <= s.nbytes() <= 2 * nbytes and _unused(s)]
+    _make_room(blocks, 0)  # a lowered limit, and blocks gone to shared memory
+    fits = [i for i in range(len(blocks)) if nbytes <= blocks[i].nbytes() <= 2 * nbytes and _unused(blocks, i)]
     if fits:
-        return torch.empty(0, dtype=dtype).set_(min(fits, key=lambda s: s.nbytes()), 0, shape)
-    out = torch.empty(shape, dtype=dtype)
-    if _make_room(nbytes):
+        best = min(fits, key=lambda i: blocks[i].nbytes())
+        return torch.empty(0, dtype=dtype, device=device).set_(blocks[best], 0, shape)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if _make_room(blocks, nbytes):
         blocks.append(out.untyped_storage())
     return out

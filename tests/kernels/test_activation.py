@@ -80,3 +80,29 @@ def test_compiles_without_graph_breaks():
     (F.silu(g2) * u2).square().sum().backward()
     torch.testing.assert_close(gate.grad, g2.grad)
     torch.testing.assert_close(up.grad, u2.grad)
+
+
+def test_create_graph_gives_autograds_results_and_torch_func_works():
+    gate, up = pair((600, 1000), torch.bfloat16, 0)  # in kept memory
+    da = torch.randn(600, 1000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ours = torch.autograd.grad(swiglu(gate, up), (gate, up), da, create_graph=True)
+    plain = torch.autograd.grad(F.silu(gate) * up, (gate, up), da, create_graph=True)
+    for a, b in zip(ours, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    g64, u64 = (t.detach()[:6, :5].double() for t in (gate, up))
+    per_row = torch.func.vmap(torch.func.grad(lambda g, u: swiglu(g, u).sum()))(g64, u64)
+    torch.testing.assert_close(per_row, torch.func.vmap(torch.func.grad(lambda g, u: (F.silu(g) * u).sum()))(g64, u64))
+    jac = torch.func.jacrev(swiglu)(g64, u64)
+    torch.testing.assert_close(jac, torch.func.jacrev(lambda g, u: F.silu(g) * u)(g64, u64))
+
+
+def test_forward_mode_ad():
+    import torch.autograd.forward_ad as fwad
+
+    g, u, tg, tu = (
+        torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(4)
+    )
+    with fwad.dual_level():
+        tangent = fwad.unpack_dual(swiglu(fwad.make_dual(g, tg), fwad.make_dual(u, tu))).tangent
+    _, expect = torch.func.jvp(lambda g_, u_: F.silu(g_) * u_, (g, u), (tg, tu))
+    torch.testing.assert_close(tangent, expect)

@@ -113,6 +113,23 @@ def test_out_dtype_keeps_fp32_accumulation(backend):
     assert float((y.detach().double() - exact).abs().max()) < 1e-4  # not rounded through bf16 on the way
 
 
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_out_dtype_of_the_other_half_precision_multiplies_in_fp32(dtype, out_dtype):
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(*s, generator=g).to(dtype) for s in ((600, 64), (2, 64, 1024)))  # results > 1 MiB
+    if dtype == torch.float16:
+        x[0] = 5000.0  # a row whose products sum past fp16's range (65504); bf16 holds them
+    counts = torch.tensor([300, 300])
+    y = grouped_mm(x, w, counts, out_dtype=out_dtype, backend="torch")
+    exact = grouped_mm_ref(x.double(), w.double(), counts)
+    assert exact.abs().max() < 65504 or dtype == torch.float16  # fp16 results hold what they must
+    assert y.dtype == out_dtype
+    torch.testing.assert_close(y, grouped_mm(x, w, counts, out_dtype=out_dtype, backend="ref"), rtol=0, atol=0)
+    # rounded once from fp32: within one step of the exact result (not inf, not bf16's coarser step)
+    eps = torch.finfo(out_dtype).eps
+    torch.testing.assert_close(y.double(), exact.double(), rtol=eps, atol=1e-3)
+
+
 def test_backends_agree_and_compile_without_graph_breaks():
     x, w, counts = case(30, 4, 16, 8, torch.float32, False)
     y32 = grouped_mm(x, w, counts, backend="torch")

@@ -153,3 +153,25 @@ def test_torch_path_compiles_without_graph_breaks():
     f(x2, w2).backward()
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_torch_func_and_forward_mode_ad():
+    import torch.autograd.forward_ad as fwad
+
+    idx, weights = routing(12, 5, 2, 0)
+    info = sort_slots(idx, num_experts=5)
+    x = torch.randn(12, 6, dtype=torch.float64)
+    w = weights.double()
+
+    def both(x_, w_):
+        return unpermute(permute_rows(x_, info) * 2.0, info, w_)
+
+    def plain(x_, w_):
+        return unpermute_ref(permute_ref(x_, idx, 5)[0] * 2.0, info.slot, w_)
+
+    for got, want in zip(torch.func.jacrev(both, (0, 1))(x, w), torch.func.jacrev(plain, (0, 1))(x, w), strict=True):
+        torch.testing.assert_close(got, want)
+    tx, tw = torch.randn_like(x), torch.randn_like(w)
+    with fwad.dual_level():
+        tangent = fwad.unpack_dual(both(fwad.make_dual(x, tx), fwad.make_dual(w, tw))).tangent
+    torch.testing.assert_close(tangent, torch.func.jvp(plain, (x, w), (tx, tw))[1])

@@ -109,3 +109,63 @@ def test_threads_keep_their_own_blocks():
     t.join()
     assert seen[0][0] == 0 and seen[0][1] != ptr and workspace.kept_bytes() == 2 << 20
     assert workspace.empty(BIG, torch.float32, CPU).data_ptr() == ptr
+
+
+def test_a_held_storage_object_keeps_its_block():
+    a = workspace.empty(BIG, torch.float32, CPU).fill_(1.0)
+    ptr, storage = a.data_ptr(), a.untyped_storage()
+    del a
+    b = workspace.empty(BIG, torch.float32, CPU).fill_(-5.0)
+    assert b.data_ptr() != ptr and bool((torch.empty(0).set_(storage) == 1.0).all())
+    del b, storage
+    assert workspace.empty(BIG, torch.float32, CPU).data_ptr() == ptr
+
+
+def test_a_block_moved_to_shared_memory_is_forgotten():
+    a = workspace.empty(BIG, torch.float32, CPU)
+    a.share_memory_()  # as sending it to another process does: that process may still read it
+    ptr = a.data_ptr()
+    del a
+    assert workspace.empty(BIG, torch.float32, CPU).data_ptr() != ptr
+    assert workspace.kept_bytes() == 2 << 20  # only the new block
+
+
+def test_limit_zero_stops_keeping_blocks_in_use_once_freed():
+    a = workspace.empty(BIG, torch.float32, CPU)
+    workspace.set_limit(0)
+    assert workspace.kept_bytes() == 2 << 20  # in use: kept until freed
+    del a
+    b = workspace.empty(BIG, torch.float32, CPU)
+    assert workspace.kept_bytes() == 0 and b.shape == BIG
+
+
+def test_fake_tensors_leave_the_kept_blocks_alone():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = workspace.empty(BIG, torch.float32, CPU)
+    ptr = real.data_ptr()
+    del real
+    with FakeTensorMode():
+        fake = workspace.empty(BIG, torch.float32, CPU)
+        assert fake.shape == BIG
+    assert workspace.kept_bytes() == 2 << 20
+    assert workspace.empty(BIG, torch.float32, CPU).data_ptr() == ptr
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (((4, -1), torch.float32, CPU), "shape must be"),
+        ((3, torch.float32, CPU), "shape must be"),
+        (((4, 4), "float32", CPU), "dtype must be"),
+    ],
+)
+def test_bad_input_raises(args, match):
+    with pytest.raises(ValueError, match=match):
+        workspace.empty(*args)
+    with pytest.raises(ValueError, match="nbytes"):
+        workspace.set_limit(True)
+
+
+def test_string_device_is_accepted():
+    assert workspace.empty(BIG, torch.float32, "cpu").device == CPU
