@@ -51,22 +51,18 @@ def set_limit(nbytes: int) -> None:
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     _limit[0] = nbytes
-    _make_room(_blocks(), 0)
+    _kept().make_room(0)
 
 
 def release() -> None:
     """Forget the blocks this thread keeps: unused ones are freed now, the others by torch once
     their last tensor goes."""
-    _local.__dict__.pop("blocks", None)
+    _local.__dict__.pop("kept", None)
 
 
 def kept_bytes() -> int:
     """Bytes this thread keeps, in use or not."""
-    return sum(s.nbytes() for s in _blocks())
-
-
-def _blocks() -> list[torch.UntypedStorage]:
-    return _local.__dict__.setdefault("blocks", [])
+    return _kept().total
 
 
 def _py_refs(blocks: list, i: int) -> int:
@@ -82,16 +78,57 @@ def _unused(blocks: list, i: int) -> bool:
     return torch._C._storage_Use_Count(blocks[i]._cdata) == 1 and _py_refs(blocks, i) <= _LIST_ONLY
 
 
-def _make_room(blocks: list, nbytes: int) -> bool:
-    """Forget shared blocks, then unused ones, largest first, until ``nbytes`` more fit under
-    the limit; whether they do."""
-    blocks[:] = [s for s in blocks if not s.is_shared()]  # now another process's too
-    while sum(s.nbytes() for s in blocks) + nbytes > _limit[0]:
-        unused = [i for i in range(len(blocks)) if _unused(blocks, i)]
-        if not unused:
-            return False
-        del blocks[max(unused, key=lambda i: blocks[i].nbytes())]
-    return True
+class _Kept:
+    """One thread's blocks, by size in bytes, and their total."""
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, list[torch.UntypedStorage]] = {}
+        self.total = 0
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        self.by_size.setdefault(storage.nbytes(), []).append(storage)
+        self.total += storage.nbytes()
+
+    def _drop(self, size: int, keep) -> None:
+        bucket = self.by_size[size]
+        kept = [s for i, s in enumerate(bucket) if keep(bucket, i)]
+        self.total -= size * (len(bucket) - len(kept))
+        if kept:
+            bucket[:] = kept
+        else:
+            del self.by_size[size]
+
+    def _drop_stale(self, size: int) -> None:
+        # shared: sent to another process, which may still read it; resized by a tensor's resize_
+        self._drop(size, lambda b, i: not b[i].is_shared() and b[i].nbytes() == size)
+
+    def take(self, nbytes: int) -> torch.UntypedStorage | None:
+        """The smallest unused block of nbytes to 2 * nbytes, if any."""
+        for size in sorted(k for k in self.by_size if nbytes <= k <= 2 * nbytes):
+            self._drop_stale(size)
+            bucket = self.by_size.get(size, [])
+            for i in range(len(bucket)):
+                if _unused(bucket, i):
+                    return bucket[i]
+        return None
+
+    def make_room(self, nbytes: int) -> bool:
+        """Forget stale blocks, then unused ones, largest first, until ``nbytes`` more fit under
+        the limit; whether they do."""
+        for size in list(self.by_size):
+            self._drop_stale(size)
+        for size in sorted(self.by_size, reverse=True):
+            if self.total + nbytes <= _limit[0]:
+                break
+            over = self.total + nbytes - _limit[0]
+            unused = [i for i in range(len(self.by_size[size])) if _unused(self.by_size[size], i)]
+            drop = set(unused[: -(-over // size)])  # as many as cover the excess
+            self._drop(size, lambda b, i, drop=drop: i not in drop)
+        return self.total + nbytes <= _limit[0]
+
+
+def _kept() -> _Kept:
+    return _local.__dict__.setdefault("kept", _Kept())
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
@@ -113,13 +150,13 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     plain = device.type != "cpu" or nbytes < MIN_BYTES or torch.compiler.is_compiling()
     if plain or _get_current_dispatch_mode() is not None:
         return torch.empty(shape, dtype=dtype, device=device)
-    blocks = _blocks()
-    _make_room(blocks, 0)  # a lowered limit, and blocks gone to shared memory
-    fits = [i for i in range(len(blocks)) if nbytes <= blocks[i].nbytes() <= 2 * nbytes and _unused(blocks, i)]
-    if fits:
-        best = min(fits, key=lambda i: blocks[i].nbytes())
-        return torch.empty(0, dtype=dtype, device=device).set_(blocks[best], 0, shape)
+    kept = _kept()
+    if kept.total > _limit[0]:  # a lowered limit
+        kept.make_room(0)
+    block = kept.take(nbytes)
+    if block is not None:
+        return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
     out = torch.empty(shape, dtype=dtype, device=device)
-    if _make_room(blocks, nbytes):
-        blocks.append(out.untyped_storage())
+    if kept.make_room(nbytes):
+        kept.add(out.untyped_storage())
     return out

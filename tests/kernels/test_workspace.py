@@ -169,3 +169,11 @@ def test_bad_input_raises(args, match):
 
 def test_string_device_is_accepted():
     assert workspace.empty(BIG, torch.float32, "cpu").device == CPU
+
+
+def test_a_block_resized_through_its_tensor_is_forgotten():
+    a = workspace.empty(BIG, torch.float32, CPU)
+    a.resize_(1024, 1024)  # grows the storage in place: no longer the size it is filed under
+    del a
+    b = workspace.empty(BIG, torch.float32, CPU)
+    assert workspace.kept_bytes() == 2 << 20 and b.untyped_storage().nbytes() == 2 << 20
