@@ -20,6 +20,10 @@ from . import workspace
 __all__ = ["swiglu"]
 
 
+def _plain(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
 def _like(t: Tensor) -> Tensor:
     return workspace.empty(tuple(t.shape), t.dtype, t.device)
 
@@ -35,9 +39,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da: Tensor) -> tuple[Tensor | None, Tensor | None]:
         gate, up, s = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: tracked ops, as autograd's own for silu * up
-            sig = torch.sigmoid(gate)
-            return da * up * sig * (1.0 + gate * (1.0 - sig)), da * F.silu(gate)
+        if torch.is_grad_enabled():  # create_graph
+            return workspace.tracked_grads(_plain, (gate, up), ctx.needs_input_grad, da)
         d_up = torch.mul(da, s, out=_like(s)) if ctx.needs_input_grad[1] else None
         d_gate = None
         if ctx.needs_input_grad[0]:
@@ -62,7 +65,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if not gate.is_floating_point():
         raise ValueError(f"gate and up must be floating tensors, got {gate.dtype}")
     if not workspace.usable(gate, up):  # GPUs, torch.func, forward-mode AD: autograd's ops
-        return F.silu(gate) * up
+        return _plain(gate, up)
     if not (gate.requires_grad or up.requires_grad) or not torch.is_grad_enabled():
         s = torch.ops.aten.silu.out(gate, out=_like(gate))
         return s.mul_(up)

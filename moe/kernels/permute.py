@@ -136,7 +136,7 @@ class _TorchPermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dxs_MD: Tensor) -> tuple[Tensor, None]:
         (token,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: tracked ops
+        if torch.is_grad_enabled():  # create_graph: index_add, the backward of the plain gather
             return dxs_MD.new_zeros(ctx.num_tokens, dxs_MD.shape[1]).index_add(0, token, dxs_MD), None
         return _empty(ctx.num_tokens, dxs_MD).zero_().index_add_(0, token, dxs_MD), None
 
@@ -154,8 +154,9 @@ class _TorchUnpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_TD: Tensor):
         y_MD, weights_TK, slot, token = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the same formulas in tracked ops
-            return (*_unpermute_grads_tracked(dout_TD, y_MD, weights_TK, slot, token), None, None)
+        if torch.is_grad_enabled():  # create_graph
+            inputs = (y_MD, weights_TK, slot, token)
+            return workspace.tracked_grads(_unpermute_plain, inputs, ctx.needs_input_grad, dout_TD)
         acc = torch.promote_types(y_MD.dtype, torch.float32)
         d_rows = torch.index_select(dout_TD.to(acc), 0, token, out=_empty(token.shape[0], y_MD, acc))
         dw = None
@@ -167,12 +168,11 @@ class _TorchUnpermute(torch.autograd.Function):
         return (dy if dy is None or dy.dtype == y_MD.dtype else dy.to(y_MD.dtype)), dw, None, None
 
 
-def _unpermute_grads_tracked(dout_TD, y_MD, weights_TK, slot, token) -> tuple[Tensor, Tensor]:
+def _unpermute_plain(y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor) -> Tensor:
     acc = torch.promote_types(y_MD.dtype, torch.float32)
-    d_rows = dout_TD.to(acc).index_select(0, token)
-    dots = (d_rows * y_MD.to(acc)).sum(dim=1).to(weights_TK.dtype)
-    dw = weights_TK.new_zeros(weights_TK.numel()).index_copy(0, slot, dots).view_as(weights_TK)
-    return (d_rows * weights_TK.reshape(-1)[slot].to(acc)[:, None]).to(y_MD.dtype), dw
+    w_M = weights_TK.reshape(-1)[slot].to(acc)
+    out = y_MD.new_zeros(weights_TK.shape[0], y_MD.shape[1], dtype=acc)
+    return out.index_add(0, token, y_MD.to(acc) * w_M[:, None]).to(y_MD.dtype)
 
 
 def _empty(rows: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -268,9 +268,4 @@ def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: s
         return _unpermute_op(y_MD.contiguous(), weights_TK, info.row_of_slot, info.slot, info.token)
     if workspace.usable(y_MD, weights_TK):
         return _TorchUnpermute.apply(y_MD, weights_TK, info.slot, info.token)
-    acc = torch.promote_types(y_MD.dtype, torch.float32)
-    w_M = weights_TK.reshape(-1)[info.slot].to(acc)
-    out = y_MD.new_zeros(info.num_tokens, y_MD.shape[1], dtype=acc).index_add(
-        0, info.token, y_MD.to(acc) * w_M[:, None]
-    )
-    return out.to(y_MD.dtype)
+    return _unpermute_plain(y_MD, weights_TK, info.slot, info.token)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["MIN_BYTES", "empty", "kept_bytes", "release", "set_limit", "usable"]
+__all__ = ["MIN_BYTES", "empty", "kept_bytes", "release", "set_limit", "tracked_grads", "usable"]
 
 MIN_BYTES = 1 << 20  # smaller tensors come from the heap, whose pages are already touched
 _limit = [2 << 30]  # bytes each thread keeps at most
@@ -42,6 +42,19 @@ def usable(*tensors: Tensor) -> bool:
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     forward_ad = getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
     return tensors[0].device.type == "cpu" and not forward_ad and not any(wrapped(t) for t in tensors)
+
+
+def tracked_grads(plain, inputs: tuple, needs: tuple[bool, ...], grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    """What a kept-memory autograd function's backward returns under ``create_graph=True``: the
+    gradients of ``plain(*inputs)``, its formula in plain torch ops, re-run and differentiated
+    by autograd with ``create_graph``, so the results are autograd's own and higher
+    derivatives flow. ``needs``: ``ctx.needs_input_grad``."""
+    with torch.enable_grad():
+        out = plain(*inputs)
+    grads = iter(
+        torch.autograd.grad(out, [t for t, n in zip(inputs, needs, strict=True) if n], grad_out, create_graph=True)
+    )
+    return tuple(next(grads) if n else None for n in needs)
 
 
 def set_limit(nbytes: int) -> None:
