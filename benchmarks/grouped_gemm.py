@@ -109,9 +109,9 @@ def run(scale: float, dtype: torch.dtype, device: torch.device, repeats: int) ->
             for meth, (fn, weight) in cases.items():
                 try:
                     fwd_fns[meth], fb_fns[meth] = closures(fn, x, weight, counts)
+                    sizes[meth] = (m, i, n, e)
                 except (RuntimeError, NotImplementedError) as err:  # e.g. a dtype a peer lacks
                     print(f"skip {meth} on {name}: {err}", file=sys.stderr)
-                sizes[meth] = (m, i, n, e)
             if device.type == "cuda":  # the fusion only changes anything with the triton kernels
                 fused, t = gather_methods(counts, sh["k"], "triton")
                 x_tokens = torch.randn(t, i, generator=g).to(device, dtype)

@@ -45,24 +45,21 @@ class GroupedExperts(nn.Module):
         are used; a hidden-dim shard gives a partial sum of the output)."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         h = grouped_mm(x_MD, w1, counts_E, backend=self.backend)
-        h = (
-            swiglu(h, grouped_mm(x_MD, w3, counts_E, backend=self.backend))
-            if w3 is not None
-            else _ACT[self.activation](h)
-        )
-        return grouped_mm(h, w2, counts_E, backend=self.backend)
+        up = grouped_mm(x_MD, w3, counts_E, backend=self.backend) if w3 is not None else None
+        return grouped_mm(_activate(self.activation, h, up), w2, counts_E, backend=self.backend)
 
     def forward_fused(self, x_TD: Tensor, info: PermuteInfo, gates_TK: Tensor) -> Tensor:
         """The experts on the tokens themselves: the gather of the permutation runs inside the
         first GEMMs and the gate-weighted scatter inside the last, (T, D) -> (T, D)."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         h = gather_grouped_mm(x_TD, w1, info, backend=self.backend)
-        h = (
-            swiglu(h, gather_grouped_mm(x_TD, w3, info, backend=self.backend))
-            if w3 is not None
-            else _ACT[self.activation](h)
-        )
-        return grouped_mm_scatter(h, w2, info, gates_TK, backend=self.backend)
+        up = gather_grouped_mm(x_TD, w3, info, backend=self.backend) if w3 is not None else None
+        return grouped_mm_scatter(_activate(self.activation, h, up), w2, info, gates_TK, backend=self.backend)
+
+
+def _activate(activation: str, h: Tensor, up: Tensor | None) -> Tensor:
+    """The hidden activations: ``swiglu(h, up)`` with an up projection, else ``act(h)``."""
+    return swiglu(h, up) if up is not None else _ACT[activation](h)
 
 
 def _local(w: Tensor | None) -> Tensor | None:
@@ -87,6 +84,5 @@ class SharedExperts(nn.Module):
                 nn.init.normal_(lin.weight, std=0.02)
 
     def forward(self, x_TD: Tensor) -> Tensor:
-        h = self.w1(x_TD)
-        h = swiglu(h, self.w3(x_TD)) if self.w3 is not None else _ACT[self.activation](h)
-        return self.w2(h)
+        up = self.w3(x_TD) if self.w3 is not None else None
+        return self.w2(_activate(self.activation, self.w1(x_TD), up))

@@ -164,8 +164,10 @@ class _TorchUnpermute(torch.autograd.Function):
             dots = torch.mul(d_rows, y_MD, out=_empty(token.shape[0], y_MD, acc)).sum(dim=1)
             dw = weights_TK.new_zeros(weights_TK.numel()).index_copy_(0, slot, dots.to(weights_TK.dtype))
             dw = dw.view_as(weights_TK)
-        dy = d_rows.mul_(weights_TK.reshape(-1)[slot].to(acc)[:, None]) if ctx.needs_input_grad[0] else None
-        return (dy if dy is None or dy.dtype == y_MD.dtype else dy.to(y_MD.dtype)), dw, None, None
+        dy = None
+        if ctx.needs_input_grad[0]:  # to() returns d_rows itself when the dtype is already y's
+            dy = d_rows.mul_(weights_TK.reshape(-1)[slot].to(acc)[:, None]).to(y_MD.dtype)
+        return dy, dw, None, None
 
 
 def _unpermute_plain(y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor) -> Tensor:
