@@ -1,0 +1,15 @@
+"""Llama-2 and its MoE variants (`LlamaConfig` presets, the `Llama` module, transformers interop)."""
+
+from .config import PRESETS, LlamaConfig, llama2_ffn_hidden_dim
+from .model import Attention, FeedForward, Llama, RMSNorm, TransformerBlock
+
+__all__ = [
+    "PRESETS",
+    "Attention",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "RMSNorm",
+    "TransformerBlock",
+    "llama2_ffn_hidden_dim",
+]
