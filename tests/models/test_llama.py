@@ -213,3 +213,13 @@ def test_dense_block_compiles_without_graph_breaks():
     x = torch.randn(2, 8, 64)
     compiled = torch.compile(block, backend="eager", fullgraph=True)  # tracing only: fast on CPU
     torch.testing.assert_close(compiled(x, model.rope), block(x, model.rope), rtol=0, atol=0)
+
+
+def test_presets_table_lists_every_preset_with_its_counts():
+    from moe.models.llama.__main__ import presets_table
+
+    table = presets_table()
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(PRESETS)
+    assert "| `mixtral-8x7b` | 32 | 4096 | 32 / 8 | 14336 | all | 8 (top-2, 14336, topk) | 46.7B | 12.88B |" in lines
+    assert "| `tiny` | 4 | 64 | 4 / 2 | 192 | 2 of 4 |" in table
