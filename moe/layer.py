@@ -32,12 +32,15 @@ class MoE(nn.Module):
     - Experts: E grouped FFNs (``config.activation``), plus ``num_shared_experts`` dense ones.
     - Combine: "weighted" sums each token's expert outputs times their gates; "sigmoid_residual"
       (top-1, BASE) gives ``alpha * expert(x) + (1 - alpha) * x`` with alpha the gate.
-    - Losses: the router's aux and z losses (already weighted by their coefficients) wait on
-      the module until `aux_loss` collects them; ``last_routing`` keeps a detached copy of the
-      last `RoutingResult` for inspection. Neither keeps an autograd graph past `aux_loss`.
+    - Losses: the router's aux and z losses (already weighted by their coefficients), summed
+      over the forwards, wait on the module until `aux_loss` collects them; ``last_routing``
+      keeps a detached copy of the last `RoutingResult` for inspection. Neither keeps an
+      autograd graph past `aux_loss`.
     """
 
     def __init__(self, config: MoEConfig) -> None:
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"config must be a moe.MoEConfig, got {type(config).__name__}")
         super().__init__()
         self.config = config
         self.router = build_router(config.router_config())
@@ -115,7 +118,8 @@ def _shape_of(x: object) -> str:
 
 
 def aux_loss(model: nn.Module) -> Tensor:
-    """Sum of the aux and z losses of every `MoE` layer in ``model`` since the last call.
+    """Sum of the aux and z losses of every forward of every `MoE` layer in ``model`` since the
+    last call (two forwards of one layer both count).
 
     Add it to the training loss; each layer's pending loss is cleared, so nothing is counted
     twice or kept alive into the next step. A scalar zero when no layer has a loss.

@@ -233,6 +233,8 @@ def test_zero_dim_and_non_tensor_input_raise():
         layer(torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., D=32\), got list"):
         layer([[0.0] * 32])
+    with pytest.raises(ValueError, match=r"config must be a moe.MoEConfig, got RouterConfig"):
+        MoE(MoEConfig.from_name("tiny").router_config())
 
 
 @pytest.mark.parametrize("name, overrides", [("tiny", {"capacity_factor": 1.0}), ("tiny-base", {})])
