@@ -41,25 +41,39 @@ def bincount(x: Tensor, n: int, *, sync_ok: bool = False) -> Tensor:
     return torch.zeros(n, dtype=torch.int64, device=x.device).index_add_(0, flat, ones)
 
 
-def check_tokens(x_TD: Tensor, dim: int) -> None:
-    """Raise ValueError unless ``x_TD`` is a floating (T, D) tensor with D == ``dim`` (its
-    values are checked through the logits, by `check_logits`)."""
+def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True, values: bool = True) -> None:
+    """Raise ValueError unless ``x_TD`` is a floating (T, D) tensor with D == ``dim``, and (with
+    ``values``) finite. The routers pass ``values=False`` and check their logits instead
+    (`check_logits`), which covers x too.
+
+    ``host_check=False`` checks finiteness without a host sync (``torch._assert_async``: a
+    RuntimeError on CPU, a device-side assert on CUDA) for callers that promise none."""
     if not isinstance(x_TD, Tensor):
         raise ValueError(f"x must be a torch.Tensor of shape (T, D={dim}), got {type(x_TD).__name__}")
     if x_TD.dim() != 2 or x_TD.shape[1] != dim:
         raise ValueError(f"x must have shape (T, D={dim}), got {tuple(x_TD.shape)}")
     if not x_TD.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got dtype {x_TD.dtype}")
+    if not values:
+        return
+    # a NaN would otherwise pass silently through topk and pick arbitrary experts
+    what = f"x must be finite: found NaN or Inf in a tensor of shape {tuple(x_TD.shape)}"
+    if not host_check:
+        torch._assert_async(torch.isfinite(x_TD).all(), what)
+    elif x_TD.numel() and not bool(torch.isfinite(x_TD).all()):  # host sync
+        raise ValueError(what)
 
 
 def check_logits(logits_TE: Tensor, x_TD: Tensor, *, host_check: bool = True) -> None:
     """Raise ValueError unless the router logits of ``x_TD`` are finite.
 
-    A NaN would otherwise pass silently through topk and pick arbitrary experts. Checking the
-    logits rather than x costs the same one host read (on T*E values instead of T*D) and also
-    catches finite x so large that its fp32 logits overflow (|x| near 1e38), which gives NaN
-    gates. ``host_check=False`` checks without a host sync (``torch._assert_async``: a
-    RuntimeError on CPU, a device-side assert on CUDA) for callers that promise none."""
+    A NaN would otherwise pass silently through topk and pick arbitrary experts. Any NaN or
+    Inf in x makes its row of logits non-finite, so checking the logits rather than x costs
+    the same one host read (on T*E values instead of T*D) and also catches finite x so large
+    that its fp32 logits overflow (|x| near 1e38), which would give NaN gates.
+
+    ``host_check=False`` checks without a host sync (``torch._assert_async``: a RuntimeError
+    on CPU, a device-side assert on CUDA) for callers that promise none."""
     shape = tuple(x_TD.shape)
     if not host_check:
         what = f"x must be finite: found NaN or Inf in x of shape {shape} or in its fp32 router logits"
@@ -152,7 +166,7 @@ class GatedRouter(nn.Module):
 
     def logits(self, x_TD: Tensor, *, host_check: bool = True) -> Tensor:
         """Checked input (T, D) -> checked fp32 logits (T, E) (``host_check``: see `check_logits`)."""
-        check_tokens(x_TD, self.config.dim)
+        check_tokens(x_TD, self.config.dim, values=False)
         logits_TE = gate_logits(x_TD, self.weight)
         check_logits(logits_TE, x_TD, host_check=host_check)
         return logits_TE

@@ -79,3 +79,14 @@ def test_device_side_check_covers_overflowing_logits():
         r.weight.fill_(1.0)
     with pytest.raises(RuntimeError, match="finite"):
         r(torch.full((5, D), 1e38))
+
+
+def test_check_tokens_checks_values_unless_told_the_logits_are_checked():
+    from moe.routing.common import check_tokens
+
+    x = torch.full((2, D), float("nan"))
+    with pytest.raises(ValueError, match="x must be finite"):
+        check_tokens(x, D)
+    with pytest.raises(RuntimeError, match="x must be finite"):
+        check_tokens(x, D, host_check=False)
+    check_tokens(x, D, values=False)  # shape and dtype only: the router checks the logits
