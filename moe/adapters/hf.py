@@ -146,6 +146,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 def _chosen_layers(decoder: nn.ModuleList, layers) -> list[int]:
     """The decoder layer indices `moeify` converts, checked: distinct, in range, still dense."""
     n = len(decoder)
+    if layers is not None and not isinstance(layers, (list, tuple, range)):
+        raise ValueError(f"layers must be None or a list of decoder layer indices, got {type(layers).__name__}")
     chosen = list(range(n)) if layers is None else list(layers)
     bad = [i for i in chosen if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n]
     if bad:

@@ -197,6 +197,7 @@ def test_from_mixtral_refuses_router_jitter_noise():
         ([-1], r"got \[-1\]"),
         ([True], r"got \[True\]"),
         ([0.0], r"got \[0.0\]"),
+        (1, r"layers must be None or a list of decoder layer indices, got int"),
     ],
 )
 def test_moeify_refuses_bad_layer_indices_and_changes_nothing(layers, match):
