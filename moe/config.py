@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from .kernels import BACKENDS
 from .routing import ROUTER_KINDS, RouterConfig
+from .routing.config import check_bool, check_choice, check_float, check_int
 
 __all__ = ["MoEConfig"]
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 COMBINES = ("weighted", "sigmoid_residual")
+# the layer's kernels: grouped_mm's "ref" is its pure-torch spec, which permute and unpermute
+# do not have, so a layer cannot run on it
+LAYER_BACKENDS = ("auto", "triton", "torch")
+_SHARED_FIELDS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")  # same name here and in RouterConfig
 
 
 @dataclass(kw_only=True)
@@ -31,7 +35,7 @@ class MoEConfig:
     combine: Literal["weighted", "sigmoid_residual"] = "weighted"  # sigmoid_residual: BASE's mix
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
-    backend: str = "auto"  # kernels backend, see moe.kernels.grouped_mm
+    backend: Literal["auto", "triton", "torch"] = "auto"  # kernels backend, see moe.kernels.grouped_mm
     fused: bool = False  # permutation fused into the expert GEMMs (moe.kernels.fused), single device
 
     def __post_init__(self) -> None:
@@ -39,33 +43,33 @@ class MoEConfig:
             if not cond:
                 raise ValueError(msg)
 
+        check_int("dim", self.dim, 1)
+        check_int("hidden_dim", self.hidden_dim, 1)
+        check_int("num_experts", self.num_experts, 1)
+        check_int("top_k", self.top_k, 1, self.num_experts)
+        check_choice("router", self.router, ROUTER_KINDS)
         need(
-            self.dim >= 1 and self.hidden_dim >= 1,
-            f"dim and hidden_dim must be >= 1, got {self.dim}, {self.hidden_dim}",
+            isinstance(self.router_options, dict),
+            f"router_options must be a dict of RouterConfig fields, got {type(self.router_options).__name__}",
         )
-        need(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
-        need(
-            1 <= self.top_k <= self.num_experts,
-            f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}",
-        )
-        need(self.router in ROUTER_KINDS, f"router must be one of {ROUTER_KINDS}, got {self.router!r}")
-        need(
-            self.activation in ("swiglu", "gelu", "relu"),
-            f"activation must be swiglu, gelu or relu, got {self.activation!r}",
-        )
-        need(
-            self.combine in ("weighted", "sigmoid_residual"),
-            f"combine must be weighted or sigmoid_residual, got {self.combine!r}",
-        )
+        check_float("capacity_factor", self.capacity_factor, 0, strict=True, none_ok=True)
+        check_int("num_shared_experts", self.num_shared_experts, 0)
+        check_int("shared_hidden_dim", self.shared_hidden_dim, 1, none_ok=True)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("combine", self.combine, COMBINES)
         need(
             self.combine != "sigmoid_residual" or self.top_k == 1,
             f"combine='sigmoid_residual' (alpha * expert(x) + (1 - alpha) * x) needs top_k=1, got {self.top_k}",
         )
-        need(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        need(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_float("aux_loss_coef", self.aux_loss_coef, 0)
+        check_float("z_loss_coef", self.z_loss_coef, 0)
+        check_choice("backend", self.backend, LAYER_BACKENDS)
+        check_bool("fused", self.fused)
         known = {f.name for f in fields(RouterConfig)}
         unknown = set(self.router_options) - known
         need(not unknown, f"router_options has unknown fields {sorted(unknown)}; RouterConfig has {sorted(known)}")
+        own = sorted(set(self.router_options) & {"dim", "num_experts", "top_k", "kind", *_SHARED_FIELDS})
+        need(not own, f"router_options must not set {own}: they are fields of MoEConfig itself")
         self.router_config()  # validates the router options too
 
     def router_config(self) -> RouterConfig:

@@ -32,12 +32,15 @@ class MoE(nn.Module):
     - Experts: E grouped FFNs (``config.activation``), plus ``num_shared_experts`` dense ones.
     - Combine: "weighted" sums each token's expert outputs times their gates; "sigmoid_residual"
       (top-1, BASE) gives ``alpha * expert(x) + (1 - alpha) * x`` with alpha the gate.
-    - Losses: the router's aux and z losses (already weighted by their coefficients) wait on
-      the module until `aux_loss` collects them; ``last_routing`` keeps a detached copy of the
-      last `RoutingResult` for inspection. Neither keeps an autograd graph past `aux_loss`.
+    - Losses: the router's aux and z losses (already weighted by their coefficients), summed
+      over the forwards, wait on the module until `aux_loss` collects them; ``last_routing``
+      keeps a detached copy of the last `RoutingResult` for inspection. Neither keeps an
+      autograd graph past `aux_loss`.
     """
 
     def __init__(self, config: MoEConfig) -> None:
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"config must be a moe.MoEConfig, got {type(config).__name__}")
         super().__init__()
         self.config = config
         self.router = build_router(config.router_config())
@@ -60,8 +63,8 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, *, seq_len: int | None = None) -> Tensor:
         cfg = self.config
-        if x.shape[-1] != cfg.dim:
-            raise ValueError(f"x must have shape (..., D={cfg.dim}), got {tuple(x.shape)}")
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != cfg.dim:
+            raise ValueError(f"x must have shape (..., D={cfg.dim}), got {_shape_of(x)}")
         x_TD = x.reshape(-1, cfg.dim)
         par = self.parallel
         x_in = par.gather_tokens(x_TD) if par is not None else x_TD  # the tokens routed together
@@ -90,19 +93,33 @@ class MoE(nn.Module):
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         if not in_backward():  # an activation-checkpointing re-run must not report its loss twice
-            self._pending_loss = loss
+            pending = self._pending_loss  # every forward since the last aux_loss counts
+            self._pending_loss = loss if pending is None else pending + loss
             self.last_routing = dataclasses.replace(
                 res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
             )
         return y_TD.view(x.shape)
+
+    def __getstate__(self) -> dict:
+        # copy.deepcopy (EMA and eval copies) and pickling: the pending loss belongs to the
+        # autograd graph of this layer's forwards (a non-leaf tensor cannot be deep-copied, and
+        # a copy has run no forward), so the copy starts with none
+        state = super().__getstate__()
+        state["_pending_loss"] = None
+        return state
 
     def extra_repr(self) -> str:
         cfg = self.config
         return f"router={cfg.router}, experts={cfg.num_experts}, top_k={cfg.top_k}, combine={cfg.combine}"
 
 
+def _shape_of(x: object) -> str:
+    return str(tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__
+
+
 def aux_loss(model: nn.Module) -> Tensor:
-    """Sum of the aux and z losses of every `MoE` layer in ``model`` since the last call.
+    """Sum of the aux and z losses of every forward of every `MoE` layer in ``model`` since the
+    last call (two forwards of one layer both count).
 
     Add it to the training loss; each layer's pending loss is cleared, so nothing is counted
     twice or kept alive into the next step. A scalar zero when no layer has a loss.

@@ -170,3 +170,85 @@ def test_bad_input_raises():
         layer(torch.full((4, 32), float("nan")))
     with pytest.raises(ValueError, match=r"\(\.\.\., D=32\)"):
         layer(torch.randn(4, 31))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_aux_loss_sums_every_forward_since_the_last_call(checkpointed):
+    """Two forwards of one layer (gradient accumulation, or a layer used twice) both count, with
+    their gradients; a checkpointed re-run in the backward adds nothing; nothing is left over."""
+    from torch.utils.checkpoint import checkpoint
+
+    opts = {"aux_loss_coef": 0.01, "z_loss_coef": 0.001}
+    together, apart = make("tiny", **opts), make("tiny", **opts)
+    xs = [torch.randn(9, 32, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    run = (lambda layer, x: checkpoint(layer, x, use_reentrant=False)) if checkpointed else (lambda layer, x: layer(x))
+
+    outs, seen = [], []
+    for x in xs:
+        outs.append(run(together, x))
+        seen.append(together.last_routing.aux_loss + together.last_routing.z_loss)
+    total = aux_loss(together)
+    assert together._pending_loss is None and aux_loss(together).item() == 0.0
+    torch.testing.assert_close(total.detach(), seen[0] + seen[1])
+    assert not torch.equal(seen[0], seen[1])
+    (sum(out.square().sum() for out in outs) + total).backward()
+    assert together._pending_loss is None  # the re-runs in the backward reported nothing
+
+    loss = 0
+    for x in xs:  # the same forwards, each loss collected right after its forward
+        loss = loss + run(apart, x).square().sum() + aux_loss(apart)
+    loss.backward()
+    grads = dict(apart.named_parameters())
+    for name, p in together.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-base"])
+def test_deepcopy_after_a_training_forward_and_the_copy_behaves(name):
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel
+
+    layer = make(name, aux_loss_coef=0.01, z_loss_coef=0.001)
+    x = torch.randn(11, 32)
+    layer(x)  # leaves a pending loss that belongs to this forward's autograd graph
+    twin = copy.deepcopy(layer)
+    ema = AveragedModel(layer)  # deep-copies the layer too
+    assert aux_loss(twin).item() == 0.0  # the copy ran no forward: nothing pending on it
+    assert ema.module._pending_loss is None
+    y, y_twin = layer(x), twin(x)
+    torch.testing.assert_close(y_twin, y)
+    (y_twin.square().sum() + aux_loss(twin)).backward()
+    assert twin.router.weight.grad is not None and layer.router.weight.grad is None  # its own graph
+    total = aux_loss(layer)  # the original still holds both of its forwards
+    torch.testing.assert_close(total, 2 * (layer.last_routing.aux_loss + layer.last_routing.z_loss))
+    ema.update_parameters(layer)
+    for p, q in zip(ema.module.parameters(), layer.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_zero_dim_and_non_tensor_input_raise():
+    layer = make("tiny")
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., D=32\), got \(\)"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., D=32\), got list"):
+        layer([[0.0] * 32])
+    with pytest.raises(ValueError, match=r"config must be a moe.MoEConfig, got RouterConfig"):
+        MoE(MoEConfig.from_name("tiny").router_config())
+
+
+@pytest.mark.parametrize("name, overrides", [("tiny", {"capacity_factor": 1.0}), ("tiny-base", {})])
+def test_fused_layer_in_fp64_keeps_fp64_gradients(name, overrides):
+    """The fused path's backward computes in fp64 for fp64 parameters, as the unfused path does:
+    the two agree to fp64 rounding (an fp32 step anywhere would leave them ~1e-8 apart)."""
+    layers = [make(name, fused=fused, **overrides).double() for fused in (False, True)]
+    x = torch.randn(19, 32, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for _ in layers]
+    for layer, xx in zip(layers, leaves, strict=True):
+        (layer(xx) * torch.linspace(-1, 1, 32, dtype=torch.float64)).sum().backward()
+    tight = {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(leaves[1].grad, leaves[0].grad, **tight)
+    params = dict(layers[1].named_parameters())
+    for pname, p in layers[0].named_parameters():
+        assert params[pname].grad.dtype == torch.float64
+        torch.testing.assert_close(params[pname].grad, p.grad, **tight, msg=lambda m, n=pname: f"{n}: {m}")

@@ -15,8 +15,10 @@ only an `MoE` with that routing converts to it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -44,6 +46,12 @@ def from_mixtral(block: nn.Module) -> MoE:
     mm = _transformers()
     if not isinstance(block, mm.MixtralSparseMoeBlock):
         raise ValueError(f"block must be a transformers MixtralSparseMoeBlock, got {type(block).__name__}")
+    jitter = getattr(block, "jitter_noise", 0.0)
+    if jitter:  # an MoE has no input noise: converting would silently train another model
+        raise ValueError(
+            f"router_jitter_noise={jitter} (Mixtral scales its input by uniform noise in training) has no "
+            "MoE equivalent; set block.jitter_noise = 0 first to convert without it"
+        )
     experts = block.experts
     if type(experts.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         raise ValueError(f"only SiLU (SwiGLU) Mixtral experts convert, got {type(experts.act_fn).__name__}")
@@ -101,6 +109,8 @@ def to_mixtral(layer: MoE) -> nn.Module:
     Raises ValueError listing what Mixtral cannot express (e.g. BASE or sigmoid routing).
     """
     mm = _transformers()
+    if not isinstance(layer, MoE):
+        raise ValueError(f"layer must be a moe.MoE, got {type(layer).__name__}")
     problems = _mixtral_inexpressible(layer)
     if problems:
         raise ValueError("this MoE cannot be expressed as a Mixtral block: " + "; ".join(problems))
@@ -131,6 +141,27 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"got {type(model).__name__}"
         )
     return layers
+
+
+def _chosen_layers(decoder: nn.ModuleList, layers) -> list[int]:
+    """The decoder layer indices `moeify` converts, checked: distinct, in range, still dense."""
+    n = len(decoder)
+    if layers is not None and not isinstance(layers, (list, tuple, range)):
+        raise ValueError(f"layers must be None or a list of decoder layer indices, got {type(layers).__name__}")
+    chosen = list(range(n)) if layers is None else list(layers)
+    bad = [i for i in chosen if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layers must be indices in [0, {n}) (the model has {n} decoder layers), got {bad}")
+    repeated = sorted({i for i in chosen if chosen.count(i) > 1})
+    if repeated:
+        raise ValueError(f"layers must be distinct, got {repeated} more than once")
+    done = [i for i in chosen if isinstance(decoder[i].mlp, MoE)]
+    if done:
+        raise ValueError(f"decoder layers {done} already hold an MoE (moeify ran on them before)")
+    missing = [i for i in chosen if not hasattr(decoder[i].mlp, "gate_proj")]
+    if missing:
+        raise ValueError(f"decoder layers {missing} have no dense gate/up/down MLP to replace")
+    return chosen
 
 
 def _add_aux_loss(module: nn.Module, args, output):
@@ -167,8 +198,12 @@ def moeify(
     Returns the model.
     """
     decoder = _decoder_layers(model)
-    chosen = range(len(decoder)) if layers is None else layers
-    for i in chosen:
+    if not isinstance(config, MoEConfig):
+        raise ValueError(f"config must be a moe.MoEConfig, got {type(config).__name__}")
+    if not (isinstance(noise, (int, float)) and math.isfinite(noise) and noise >= 0):
+        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
+    chosen = _chosen_layers(decoder, layers)
+    for i in chosen:  # every check before the first change: a refused call leaves the model as it was
         dense = decoder[i].mlp
         ref = dense.gate_proj.weight
         if upcycle:
@@ -179,6 +214,9 @@ def moeify(
                     f"upcycle needs config dim={ref.shape[1]} and hidden_dim={ref.shape[0]} without MLP biases, "
                     f"got dim={config.dim}, hidden_dim={config.hidden_dim}"
                 )
+    for i in chosen:
+        dense = decoder[i].mlp
+        ref = dense.gate_proj.weight
         with torch.device("meta"):
             layer = MoE(config)
         layer.to_empty(device=ref.device)
@@ -254,20 +292,29 @@ def save_pretrained(model: nn.Module, path: str | Path) -> None:
     and how (``moe_layers.json``), and every weight (``model.safetensors``)."""
     from safetensors.torch import save_model
 
+    if isinstance(model, MoE):
+        raise ValueError(
+            "save_pretrained saves a transformers model with MoE layers (see moeify); save a bare MoE "
+            "with torch.save(layer.state_dict()) and rebuild it from its MoEConfig"
+        )
+    decoder = _decoder_layers(model)
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        raise ValueError(f"model must carry a transformers config (model.config), got {type(model).__name__}")
+    layers = {i: dataclasses.asdict(layer.mlp.config) for i, layer in enumerate(decoder) if isinstance(layer.mlp, MoE)}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)
-    layers = {
-        i: dataclasses.asdict(layer.mlp.config)
-        for i, layer in enumerate(_decoder_layers(model))
-        if isinstance(layer.mlp, MoE)
-    }
+    # the dtype to rebuild the model in, as transformers' own save records it: the config
+    # still names the dtype the model was built in (None by default), not one it was cast to
+    config = copy.deepcopy(model.config)
+    config.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), config.dtype)
+    config.save_pretrained(path)
     (path / _MOE_FILE).write_text(json.dumps(layers, indent=1))
     save_model(model, str(path / "model.safetensors"))
 
 
 def load_pretrained(path: str | Path) -> nn.Module:
-    """The model `save_pretrained` wrote, rebuilt from its config and loaded strictly."""
+    """The model `save_pretrained` wrote, rebuilt from its config (in the dtype it was saved in)
+    and loaded strictly."""
     _transformers()
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -33,6 +33,11 @@ def _w_view(w: Tensor, trans_w: bool) -> Tensor:
     return w.transpose(1, 2) if trans_w else w
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and products are taken in: fp32 for bf16 / fp16 / fp32, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _token(slot_M: Tensor, top_k: int) -> Tensor:
     return torch.div(slot_M, top_k, rounding_mode="floor")
 
@@ -75,7 +80,7 @@ def _mm_scatter_op(
     backend: str,
 ) -> Tensor:
     _check_counts(counts_E, h_MI.shape[0])
-    acc = torch.promote_types(h_MI.dtype, torch.float32)
+    acc = _acc(h_MI.dtype)
     n = w.shape[1] if trans_w else w.shape[2]
     if backend == "triton":
         from .triton_grouped_mm import triton_forward
@@ -112,7 +117,8 @@ def _gather_wgrad_op(
         dw = triton_wgrad(x, dy, counts_E, a_rows=a_rows, b_rows=b_rows, b_scale=b_scale)
         return (dw.transpose(1, 2) if trans_w else dw).contiguous()
     x_rows = x if a_rows is None else x.index_select(0, a_rows)
-    dy_rows = dy if b_rows is None else (dy.index_select(0, b_rows).float() * b_scale.float()[:, None]).to(dy.dtype)
+    acc = _acc(dy.dtype)
+    dy_rows = dy if b_rows is None else (dy.index_select(0, b_rows).to(acc) * b_scale.to(acc)[:, None]).to(dy.dtype)
     return _wgrad(x_rows, dy_rows, counts_E, trans_w, backend)
 
 
@@ -155,10 +161,11 @@ def _scatter_backward(ctx, dout_TN):
     dh = dw = dscale = None
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
         dh0 = _gather_mm_op(dout_TN, w, slot_M, counts_E, ctx.top_k, not ctx.trans_w, ctx.backend, h_MI.dtype)
+        acc = _acc(h_MI.dtype)
         if ctx.needs_input_grad[0]:
-            dh = (dh0.float() * scale_M.float()[:, None]).to(h_MI.dtype)
+            dh = (dh0.to(acc) * scale_M.to(acc)[:, None]).to(h_MI.dtype)
         if ctx.needs_input_grad[3]:
-            dscale = (dh0.float() * h_MI.float()).sum(1).to(scale_M.dtype)
+            dscale = (dh0.to(acc) * h_MI.to(acc)).sum(1).to(scale_M.dtype)
     if ctx.needs_input_grad[1]:
         token_M = _token(slot_M, ctx.top_k)
         dw = _gather_wgrad_op(h_MI, dout_TN, counts_E, None, token_M, scale_M, ctx.trans_w, ctx.backend)

@@ -193,8 +193,8 @@ def sort_slots(expert_idx_TK: Tensor, *, num_experts: int, num_rows: int | None 
             f"expert_idx must be a (T, K) int64 tensor, got {getattr(idx, 'shape', None)} "
             f"{getattr(idx, 'dtype', type(idx).__name__)}"
         )
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     num_tokens, k = expert_idx_TK.shape
     device = expert_idx_TK.device
     if num_rows is not None and (not isinstance(num_rows, int) or not 0 <= num_rows <= num_tokens * k):

@@ -45,6 +45,8 @@ __all__ = [
 
 def build_router(config: RouterConfig):
     """The router named by ``config.kind``, built from ``config``."""
+    if not isinstance(config, RouterConfig):
+        raise ValueError(f"config must be a moe.routing.RouterConfig, got {type(config).__name__}")
     return {"base": BaseRouter, "topk": TopKRouter, "sinkhorn": SinkhornRouter, "expert_choice": ExpertChoiceRouter}[
         config.kind
     ](config)

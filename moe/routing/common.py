@@ -14,6 +14,7 @@ from .losses import load_balancing_loss, router_z_loss, sequence_load_balancing_
 __all__ = [
     "GatedRouter",
     "bincount",
+    "check_logits",
     "check_seq_len",
     "check_tokens",
     "drop_by_score",
@@ -40,8 +41,10 @@ def bincount(x: Tensor, n: int, *, sync_ok: bool = False) -> Tensor:
     return torch.zeros(n, dtype=torch.int64, device=x.device).index_add_(0, flat, ones)
 
 
-def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True) -> None:
-    """Raise ValueError unless ``x_TD`` is a finite floating (T, D) tensor with D == ``dim``.
+def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True, values: bool = True) -> None:
+    """Raise ValueError unless ``x_TD`` is a floating (T, D) tensor with D == ``dim``, and (with
+    ``values``) finite. The routers pass ``values=False`` and check their logits instead
+    (`check_logits`), which covers x too.
 
     ``host_check=False`` checks finiteness without a host sync (``torch._assert_async``: a
     RuntimeError on CPU, a device-side assert on CUDA) for callers that promise none."""
@@ -51,12 +54,38 @@ def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True) -> None:
         raise ValueError(f"x must have shape (T, D={dim}), got {tuple(x_TD.shape)}")
     if not x_TD.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got dtype {x_TD.dtype}")
+    if not values:
+        return
     # a NaN would otherwise pass silently through topk and pick arbitrary experts
     what = f"x must be finite: found NaN or Inf in a tensor of shape {tuple(x_TD.shape)}"
     if not host_check:
         torch._assert_async(torch.isfinite(x_TD).all(), what)
     elif x_TD.numel() and not bool(torch.isfinite(x_TD).all()):  # host sync
         raise ValueError(what)
+
+
+def check_logits(logits_TE: Tensor, x_TD: Tensor, *, host_check: bool = True) -> None:
+    """Raise ValueError unless the router logits of ``x_TD`` are finite.
+
+    A NaN would otherwise pass silently through topk and pick arbitrary experts. Any NaN or
+    Inf in x makes its row of logits non-finite, so checking the logits rather than x costs
+    the same one host read (on T*E values instead of T*D) and also catches finite x so large
+    that its fp32 logits overflow (|x| near 1e38), which would give NaN gates.
+
+    ``host_check=False`` checks without a host sync (``torch._assert_async``: a RuntimeError
+    on CPU, a device-side assert on CUDA) for callers that promise none."""
+    shape = tuple(x_TD.shape)
+    if not host_check:
+        what = f"x must be finite: found NaN or Inf in x of shape {shape} or in its fp32 router logits"
+        torch._assert_async(torch.isfinite(logits_TE).all(), what)
+    elif logits_TE.numel() and not bool(torch.isfinite(logits_TE).all()):  # host sync
+        if not bool(torch.isfinite(x_TD).all()):  # only on the way to the error
+            raise ValueError(f"x must be finite: found NaN or Inf in a tensor of shape {shape}")
+        raise ValueError(
+            f"x must be small enough for fp32 router logits: x of shape {shape} is finite, but "
+            f"x @ weight.T overflows fp32 (largest |x| = {float(x_TD.abs().max()):.3g}) "
+            "or the router weight holds NaN or Inf"
+        )
 
 
 def check_seq_len(config: RouterConfig, seq_len: int | None, num_tokens: int) -> None:
@@ -122,6 +151,11 @@ class GatedRouter(nn.Module):
     """What every router holds: its config and a gate weight (E, D), ``logits = x @ weight.T``."""
 
     def __init__(self, config: RouterConfig) -> None:
+        if not isinstance(config, RouterConfig):  # e.g. an MoEConfig, which has some of its fields
+            raise ValueError(
+                f"config must be a moe.routing.RouterConfig (MoEConfig.router_config() gives one), "
+                f"got {type(config).__name__}"
+            )
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))  # (E, D)
@@ -131,9 +165,11 @@ class GatedRouter(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def logits(self, x_TD: Tensor, *, host_check: bool = True) -> Tensor:
-        """Checked input (T, D) -> fp32 logits (T, E) (``host_check``: see `check_tokens`)."""
-        check_tokens(x_TD, self.config.dim, host_check=host_check)
-        return gate_logits(x_TD, self.weight)
+        """Checked input (T, D) -> checked fp32 logits (T, E) (``host_check``: see `check_logits`)."""
+        check_tokens(x_TD, self.config.dim, values=False)
+        logits_TE = gate_logits(x_TD, self.weight)
+        check_logits(logits_TE, x_TD, host_check=host_check)
+        return logits_TE
 
     def extra_repr(self) -> str:
         cfg = self.config

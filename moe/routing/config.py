@@ -2,12 +2,55 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["RouterConfig", "ROUTER_KINDS"]
+__all__ = ["RouterConfig", "ROUTER_KINDS", "check_bool", "check_choice", "check_float", "check_int"]
 
 ROUTER_KINDS = ("base", "topk", "sinkhorn", "expert_choice")
+
+
+# Field checks for the config dataclasses: a field of the wrong type would otherwise pass a
+# comparison (True >= 1, 1.5 <= 4) and fail much later, or never (a truthy string as a bool).
+# numpy integers and floats count (they register with `numbers`); bools are not numbers here.
+def _or_none(none_ok: bool) -> str:
+    return "None or " if none_ok else ""
+
+
+def check_int(name: str, value, low: int, high: int | None = None, *, none_ok: bool = False) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) in [low, high] (or None if ``none_ok``)."""
+    if value is None and none_ok:
+        return
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not (is_int and value >= low and (high is None or value <= high)):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {_or_none(none_ok)}an int {span}, got {value!r}")
+
+
+def check_float(name: str, value, low: float, *, strict: bool = False, none_ok: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a finite real number (not a bool) >= low (> low if
+    ``strict``), or None if ``none_ok``."""
+    if value is None and none_ok:
+        return
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (is_real and math.isfinite(value) and (value > low if strict else value >= low)):
+        raise ValueError(
+            f"{name} must be {_or_none(none_ok)}a finite number {'>' if strict else '>='} {low}, got {value!r}"
+        )
+
+
+def check_bool(name: str, value) -> None:
+    """Raise ValueError unless ``value`` is True or False (a truthy string is not)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    """Raise ValueError unless ``value`` is one of the strings ``choices``."""
+    if not (isinstance(value, str) and value in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -47,43 +90,27 @@ class RouterConfig:
             if not cond:
                 raise ValueError(msg)
 
-        need(self.kind in ROUTER_KINDS, f"kind must be one of {ROUTER_KINDS}, got {self.kind!r}")
-        need(self.dim >= 1, f"dim must be >= 1, got {self.dim}")
-        need(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
+        check_choice("kind", self.kind, ROUTER_KINDS)
+        check_int("dim", self.dim, 1)
+        check_int("num_experts", self.num_experts, 1)
+        check_int("top_k", self.top_k, 1, self.num_experts)
+        check_choice("score_func", self.score_func, ("softmax", "sigmoid"))
+        check_bool("renormalize", self.renormalize)
+        check_int("n_groups", self.n_groups, 1)
         need(
-            1 <= self.top_k <= self.num_experts,
-            f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}",
-        )
-        need(
-            self.score_func in ("softmax", "sigmoid"),
-            f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}",
-        )
-        need(
-            self.n_groups >= 1 and self.num_experts % self.n_groups == 0,
+            self.num_experts % self.n_groups == 0,
             f"n_groups must divide num_experts={self.num_experts}, got {self.n_groups}",
         )
-        need(
-            1 <= self.topk_groups <= self.n_groups,
-            f"topk_groups must be in [1, n_groups={self.n_groups}], got {self.topk_groups}",
-        )
+        check_int("topk_groups", self.topk_groups, 1, self.n_groups)
         need(
             self.top_k <= self.topk_groups * (self.num_experts // self.n_groups),
             f"top_k={self.top_k} exceeds the experts reachable in topk_groups={self.topk_groups} groups",
         )
-        need(self.bias_update_rate >= 0, f"bias_update_rate must be >= 0, got {self.bias_update_rate}")
-        need(
-            self.capacity_factor is None or self.capacity_factor > 0,
-            f"capacity_factor must be None (dropless) or > 0, got {self.capacity_factor}",
-        )
+        check_float("bias_update_rate", self.bias_update_rate, 0)
+        check_float("capacity_factor", self.capacity_factor, 0, strict=True, none_ok=True)
         for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
-        need(self.sinkhorn_temperature > 0, f"sinkhorn_temperature must be > 0, got {self.sinkhorn_temperature}")
-        need(
-            self.base_max_iters is None or self.base_max_iters >= 0,
-            f"base_max_iters must be None or >= 0, got {self.base_max_iters}",
-        )
-        need(
-            self.base_solver in ("exact", "approx"),
-            f"base_solver must be 'exact' or 'approx', got {self.base_solver!r}",
-        )
+            check_float(name, getattr(self, name), 0)
+        check_int("sinkhorn_iters", self.sinkhorn_iters, 1)
+        check_float("sinkhorn_temperature", self.sinkhorn_temperature, 0, strict=True)
+        check_int("base_max_iters", self.base_max_iters, 0, none_ok=True)
+        check_choice("base_solver", self.base_solver, ("exact", "approx"))

@@ -150,3 +150,70 @@ def test_save_and_load_pretrained_round_trip(tmp_path):
     ids = torch.randint(0, 64, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits)
+
+
+def test_save_and_load_pretrained_keeps_bf16(tmp_path):
+    model = tiny_llama(seed=5)
+    hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=2), layers=[1], noise=0.05)
+    model = model.to(torch.bfloat16).eval()
+    hf.save_pretrained(model, tmp_path / "ckpt")
+    assert model.config.dtype is None  # the saved config names the dtype; the model's own is untouched
+    back = hf.load_pretrained(tmp_path / "ckpt")
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
+    for (na, a), (nb, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
+        assert na == nb and a.dtype == b.dtype and torch.equal(a, b)
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_save_pretrained_refuses_what_it_cannot_save(tmp_path):
+    with pytest.raises(ValueError, match=r"save a bare MoE with torch.save"):
+        hf.save_pretrained(MoE(MoEConfig.from_name("tiny")), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"model.layers"):
+        hf.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing half-written
+
+
+def test_to_mixtral_refuses_a_non_moe():
+    with pytest.raises(ValueError, match=r"layer must be a moe.MoE, got Linear"):
+        hf.to_mixtral(torch.nn.Linear(4, 4))
+
+
+def test_from_mixtral_refuses_router_jitter_noise():
+    block = mixtral_block()
+    block.jitter_noise = 0.01
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.01 .* no MoE equivalent"):
+        hf.from_mixtral(block)
+    block.jitter_noise = 0.0  # the documented way to convert without it
+    assert isinstance(hf.from_mixtral(block), MoE)
+
+
+@pytest.mark.parametrize(
+    "layers, match",
+    [
+        ([0, 0], r"layers must be distinct, got \[0\] more than once"),
+        ([2], r"layers must be indices in \[0, 2\) \(the model has 2 decoder layers\), got \[2\]"),
+        ([-1], r"got \[-1\]"),
+        ([True], r"got \[True\]"),
+        ([0.0], r"got \[0.0\]"),
+        (1, r"layers must be None or a list of decoder layer indices, got int"),
+    ],
+)
+def test_moeify_refuses_bad_layer_indices_and_changes_nothing(layers, match):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=match):
+        hf.moeify(model, MoEConfig(dim=32, hidden_dim=48, num_experts=4), layers=layers)
+    assert not any(isinstance(layer.mlp, MoE) for layer in model.model.layers)
+
+
+def test_moeify_twice_is_refused_and_a_refused_call_changes_nothing():
+    model = tiny_llama()
+    cfg = MoEConfig(dim=32, hidden_dim=48, num_experts=4)
+    hf.moeify(model, cfg, layers=[1])
+    first = model.model.layers[1].mlp
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] already hold an MoE"):
+        hf.moeify(model, cfg)  # layer 0 is still dense, but the call is refused as a whole
+    assert not isinstance(model.model.layers[0].mlp, MoE) and model.model.layers[1].mlp is first
+    with pytest.raises(ValueError, match=r"config must be a moe.MoEConfig"):
+        hf.moeify(model, cfg.router_config(), layers=[0])

@@ -74,6 +74,36 @@ def test_fused_bf16_within_bf16_error(backend):
         assert float((got.float() - expect).abs().max()) <= 3e-2 * scale
 
 
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_fused_fp64_gradients_are_computed_in_fp64(trans_w):
+    """fp64 stays fp64 through every backward (x, both weights, gates): the fused ops agree with
+    the unfused fp64 composition to fp64 rounding, where an fp32 step leaves them ~1e-8 apart."""
+    t, k, e, i, n = 19, 2, 5, 40, 24
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(t, i, generator=g, dtype=torch.float64)
+    w1 = torch.randn(*((e, n, i) if trans_w else (e, i, n)), generator=g, dtype=torch.float64)
+    w2 = torch.randn(e, n, i, generator=g, dtype=torch.float64)
+    gates = torch.rand(t, k, generator=g, dtype=torch.float64)
+    ds = torch.randn(t, i, generator=g, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        leaves = [v.clone().requires_grad_() for v in (x, w1, w2, gates)]
+        xx, ww1, ww2, gg = leaves
+        xs, info = permute(xx, routing(t, k, e), num_experts=e, backend="torch")
+        if fused:
+            h = gather_grouped_mm(xx, ww1, info, trans_w=trans_w, backend="torch")
+            y = grouped_mm_scatter(torch.tanh(h), ww2, info, gg, backend="torch")
+        else:
+            h = grouped_mm(xs, ww1, info.counts, trans_w=trans_w, backend="torch")
+            y = unpermute(grouped_mm(torch.tanh(h), ww2, info.counts, backend="torch"), info, gg, backend="torch")
+        assert y.dtype == torch.float64
+        (y * ds).sum().backward()
+        grads.append([v.grad for v in leaves])
+    for name, got, expect in zip(("x", "w1", "w2", "gates"), *grads, strict=True):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+
+
 def test_gradcheck_opcheck_and_compile():
     t, k, e, i, n = 7, 2, 3, 5, 4
     x = torch.randn(t, i, dtype=torch.float64, requires_grad=True)

@@ -138,6 +138,15 @@ def test_bad_input_raises(idx, match):
         permute(torch.randn(2, 4), idx, num_experts=3)
 
 
+@pytest.mark.parametrize("num_experts", [2.5, 3.0, True, 0])
+def test_num_experts_must_be_an_int(num_experts):
+    idx = torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=rf"num_experts must be an int >= 1, got {num_experts!r}"):
+        permute(torch.randn(2, 4), idx, num_experts=num_experts)
+    with pytest.raises(ValueError, match="num_experts must be an int"):
+        sort_slots(idx, num_experts=num_experts)
+
+
 def test_torch_path_compiles_without_graph_breaks():
     idx, weights = routing(12, 5, 2, 0)
     info = sort_slots(idx, num_experts=5)
