@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # per block; a hung example (a collective waiting forever) fails instead of hanging CI
 FENCE = re.compile(r"^(\s*)```\s*(\S*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*doc-test:(.*?)-->\s*$")
-MARKER_START = re.compile(r"<!--\s*doc-test")
+MARKER_START = re.compile(r"^\s*<!--\s*doc-test")  # a marker attempt; prose may quote one in backticks
 PYTHON_TAGS = ("python", "py")
 
 
@@ -82,7 +82,7 @@ def extract(text: str, path: str) -> list[Block]:
             marker = MARKER.match(line)
             if marker:
                 pending = (i + 1, *parse_marker(marker.group(1), f"{path}:{i + 1}"))
-            elif MARKER_START.search(line):
+            elif MARKER_START.match(line):
                 raise ValueError(f"{path}:{i + 1}: a doc-test marker must be alone on its line: <!-- doc-test: ... -->")
             i += 1
             continue
@@ -207,6 +207,9 @@ def test_extract_reads_markers_and_lines():
     assert blocks[0].code == "a = 1\n"
     assert blocks[2].code == "if True:\n    b = 2\n"
     assert blocks[0].where == "x.md:6"
+    # prose that quotes a marker is not one
+    (quoted,) = extract("Write `<!-- doc-test: nproc=2 -->` before the fence.\n```python\nx = 1\n```\n", "x.md")
+    assert (quoted.line, quoted.nproc, quoted.skip) == (2, 1, None)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +222,7 @@ def test_extract_reads_markers_and_lines():
         ("<!-- doc-test: nproc=2 -->\n\n```python\nx\n```", "x.md:1: doc-test marker not followed"),
         ("<!-- doc-test: nproc=2 -->\n```bash\nx\n```", "x.md:1: doc-test marker not followed"),
         ("text\n<!-- doc-test: nproc=2 -->", "x.md:2: doc-test marker not followed"),
-        ("see <!-- doc-test: skip (x) --> here\n```python\nx\n```", "x.md:1: a doc-test marker must be alone"),
+        ("<!-- doc-test: skip (x) --> and more\n```python\nx\n```", "x.md:1: a doc-test marker must be alone"),
         ("a\n```python\nx = 1\n", "x.md:2: ```python fence never closed"),
     ],
 )
