@@ -124,7 +124,7 @@ def run_block(block: Block, workdir: Path, *, timeout: float = TIMEOUT_S) -> Non
         cmd.append(str(script))
     else:
         cmd = [sys.executable, str(script)]
-    # a session of its own, so a timeout ends the launcher's workers too
+    # its own process group, so a timeout ends the launcher's workers too
     proc = subprocess.Popen(
         cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
