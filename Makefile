@@ -1,16 +1,23 @@
 # Two entry points: `make demo` (install, then run the main job) and `make test` (install, then the tests).
-# Everything goes into .venv; torch is pinned to the CPU wheel so a fresh machine never pulls a CUDA build.
+# Everything goes into .venv, made by $(PYTHON) (3.11 or newer). torch is installed first, pinned, from
+# whatever index pip is configured with: from the default registry on Linux that is the CUDA build (several
+# GB with its nvidia-* packages; on macOS and Windows no CUDA packages). TORCH_INDEX names another index for
+# torch alone, e.g. PyTorch's CPU wheels (README.md, "Set up"):
+#     make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
 VENV ?= .venv
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH_INDEX_ARGS := $(if $(strip $(TORCH_INDEX)),--index-url $(strip $(TORCH_INDEX)))
 
 .PHONY: demo test lint clean
 
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "moe needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0] + ": run make PYTHON=python3.11 (or newer)")'
+	@$(PYTHON) -m venv $(VENV) || { echo "$(PYTHON) -m venv failed; on Debian/Ubuntu install the venv module: apt install python3-venv (or python3.11-venv)" >&2; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet $(TORCH_INDEX_ARGS) torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,bench,hf]'
 	touch $(STAMP)
 
