@@ -1,0 +1,144 @@
+"""One rank of an expert-parallel group with bad input: every rank raises (the failing one its
+own error, the others PeerFailedError naming it, or all the same error when the ranks disagree),
+none waits for the others, and a good step afterwards runs on every rank and gives the
+single-process layer's result: the group is still usable and in step. The groups time out
+after 20 s, so a regression fails the test instead of hanging it for long."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from moe.parallel import PeerFailedError, parallelize_moe
+
+from .launch import init, spawn
+from .test_expert_parallel import TOL, build, tokens_of
+
+pytestmark = pytest.mark.distributed
+TIMEOUT_S = 20
+
+
+def good_step(layer, ref, case: str, tokens: list[int], *, global_base: bool = False) -> None:
+    """Every rank runs a step on good input and gets the reference's output for its tokens
+    (the reference sees every rank's tokens with global BASE, its own ones otherwise)."""
+    rank = dist.get_rank()
+    blocks = [tokens_of(case, 100 + r, n) for r, n in enumerate(tokens)]
+    y = layer(blocks[rank])
+    if global_base:
+        start = sum(tokens[:rank])
+        expect = ref(torch.cat(blocks))[start : start + tokens[rank]]
+    else:
+        expect = ref(blocks[rank])
+    torch.testing.assert_close(y, expect, **TOL)
+
+
+def fails_everywhere(layer, x, bad: int, own: str, peers: str | None = None, peer_error=PeerFailedError) -> None:
+    """``layer(x)`` raises on every rank: a ValueError matching ``own`` on rank ``bad``, on the
+    others ``peer_error`` matching ``peers`` (by default: a PeerFailedError naming ``bad``)."""
+    if dist.get_rank() == bad:
+        with pytest.raises(ValueError, match=own):
+            layer(x)
+    else:
+        with pytest.raises(peer_error, match=peers or rf"ranks \[{bad}\] failed"):
+            layer(x)
+
+
+def parallel_and_reference(case: str, mesh, **options):
+    layer = build(case)
+    ref = copy.deepcopy(layer)
+    return parallelize_moe(layer, mesh, **options), ref
+
+
+def check_router_collectives(mesh) -> None:
+    """NaN on one rank where the router itself communicates before the dispatch: the top-k bias
+    all-reduce, global BASE's size exchange. The bias moves on no rank."""
+    rank = dist.get_rank()
+    for case, options, tokens in (
+        ("topk-bias", {}, [5, 4]),
+        ("topk-bias", {}, [0, 4]),  # the healthy rank has no tokens
+        ("base", {"global_base": True}, [5, 4]),
+        ("base-k2", {"global_base": True}, [0, 4]),
+    ):
+        layer, ref = parallel_and_reference(case, mesh, **options)
+        for bad in (1, 0):
+            x = tokens_of(case, rank, tokens[rank] if rank != bad else 5)
+            if rank == bad:
+                x[2, 3] = float("nan")
+            fails_everywhere(layer, x, bad, "finite")
+        if case == "topk-bias":
+            assert not layer.router.bias.any(), layer.router.bias
+        good_step(layer, ref, case, tokens, global_base=bool(options))
+
+
+def check_bad_shape_or_dtype(mesh) -> None:
+    """x of another model dim, or bf16 into fp32 experts, on one rank: refused on every rank
+    before any row moves, for every router and global BASE."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad_inputs = (
+        (lambda x: x[:, :6], r"shape \(\.\.\., D=8\)"),
+        (lambda x: x.bfloat16(), "experts' dtype torch.float32"),
+        (lambda x: x[0, 0], r"shape \(\.\.\., D=8\)"),  # a 0-d tensor
+    )
+    for case, options in (
+        ("topk", {}),
+        ("topk-bias", {}),
+        ("base-approx", {}),
+        ("base", {"global_base": True}),
+        ("sinkhorn", {}),
+        ("expert_choice", {}),
+    ):
+        layer, ref = parallel_and_reference(case, mesh, **options)
+        for bad, (spoil, message) in enumerate(bad_inputs):
+            bad %= world
+            x = tokens_of(case, rank, 5)
+            fails_everywhere(layer, spoil(x) if rank == bad else x, bad, message)
+        good_step(layer, ref, case, [5, 3], global_base=bool(options))
+
+
+def check_static_splits(mesh) -> None:
+    """static_splits=True with its promise broken (uneven token counts) or bad input on one
+    rank. A router that reads back anyway (the exact solver): ValueError on every rank. The
+    sync-free one: agreed on the device before routing, a RuntimeError on every rank on CPU."""
+    rank = dist.get_rank()
+    disagree = "ranks disagree"
+    for case, sync_free in (("base-k2", False), ("base", False), ("base-approx", True)):
+        layer, ref = parallel_and_reference(case, mesh, static_splits=True)
+        uneven = tokens_of(case, rank, 6 - rank)
+        if sync_free:
+            with pytest.raises(RuntimeError, match=disagree):
+                layer(uneven)
+        else:
+            with pytest.raises(ValueError, match=r"promises the same number of tokens.*route \[6, 5\]"):
+                layer(uneven)
+        for bad in (1, 0):
+            x = tokens_of(case, rank, 6)
+            if rank == bad:
+                x[2, 3] = float("inf")
+            if sync_free:
+                with pytest.raises(RuntimeError, match="finite" if rank == bad else disagree):
+                    layer(x)
+            else:
+                fails_everywhere(layer, x, bad, "finite")
+        x = tokens_of(case, rank, 6)
+        if sync_free:
+            fails_everywhere(layer, x.bfloat16() if rank == 1 else x, 1, "dtype", disagree, peer_error=RuntimeError)
+        else:
+            fails_everywhere(layer, x.bfloat16() if rank == 1 else x, 1, "dtype")
+        good_step(layer, ref, case, [6, 6])
+
+
+def worker(rank: int, world: int, store: str) -> None:
+    init(rank, world, store, TIMEOUT_S)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+        check_router_collectives(mesh)
+        check_bad_shape_or_dtype(mesh)
+        check_static_splits(mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_fails_every_rank_raises():
+    spawn(worker, 2)
