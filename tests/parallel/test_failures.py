@@ -20,17 +20,16 @@ pytestmark = pytest.mark.distributed
 TIMEOUT_S = 20
 
 
-def good_step(layer, ref, case: str, tokens: list[int], *, global_base: bool = False) -> None:
-    """Every rank runs a step on good input and gets the reference's output for its tokens
-    (the reference sees every rank's tokens with global BASE, its own ones otherwise)."""
+def good_step(layer, ref, case: str, tokens: list[int], *, together: list[int] | None = None) -> None:
+    """Every rank runs a step on good input (``tokens[r]`` on rank r) and gets the reference's
+    output for its tokens, the reference routing the tokens of the ranks ``together`` (global
+    BASE: all; etp: the rank's etp group; default: the rank's own)."""
     rank = dist.get_rank()
+    together = together or [rank]
     blocks = [tokens_of(case, 100 + r, n) for r, n in enumerate(tokens)]
     y = layer(blocks[rank])
-    if global_base:
-        start = sum(tokens[:rank])
-        expect = ref(torch.cat(blocks))[start : start + tokens[rank]]
-    else:
-        expect = ref(blocks[rank])
+    start = sum(tokens[r] for r in together if r < rank)
+    expect = ref(torch.cat([blocks[r] for r in together]))[start : start + tokens[rank]]
     torch.testing.assert_close(y, expect, **TOL)
 
 
@@ -69,7 +68,7 @@ def check_router_collectives(mesh) -> None:
             fails_everywhere(layer, x, bad, "finite")
         if case == "topk-bias":
             assert not layer.router.bias.any(), layer.router.bias
-        good_step(layer, ref, case, tokens, global_base=bool(options))
+        good_step(layer, ref, case, tokens, together=[0, 1] if options else None)
 
 
 def check_bad_shape_or_dtype(mesh) -> None:
@@ -94,7 +93,7 @@ def check_bad_shape_or_dtype(mesh) -> None:
             bad %= world
             x = tokens_of(case, rank, 5)
             fails_everywhere(layer, spoil(x) if rank == bad else x, bad, message)
-        good_step(layer, ref, case, [5, 3], global_base=bool(options))
+        good_step(layer, ref, case, [5, 3], together=[0, 1] if options else None)
 
 
 def check_static_splits(mesh) -> None:
@@ -127,6 +126,36 @@ def check_static_splits(mesh) -> None:
         else:
             fails_everywhere(layer, x.bfloat16() if rank == 1 else x, 1, "dtype")
         good_step(layer, ref, case, [6, 6])
+
+
+def check_etp(mesh) -> None:
+    """On a (ep=2, etp=2) mesh, ranks [[0, 1], [2, 3]]: a failure on one rank reaches its etp
+    group in the token exchange and the other ep ranks in the count exchange (or the static
+    path's), so all four raise; then a good step."""
+    rank = dist.get_rank()
+    group = [0, 1] if rank < 2 else [2, 3]
+    peers = r"ranks \[\d(, \d)?\] failed"
+    layer, ref = parallel_and_reference("topk-bias", mesh, etp="etp")
+    x = tokens_of("topk-bias", rank, 4)
+    fails_everywhere(layer, x[:, :5] if rank == 0 else x, 0, "D=8", peers)
+    y = x.clone()
+    y[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="finite" if rank >= 2 else peers):
+        layer(y if rank == 2 else x)  # the etp ranks 2 and 3 both route the NaN
+    with pytest.raises(ValueError, match="must pass one seq_len" if rank < 2 else peers):
+        layer(x, seq_len=4 if rank == 0 else 8)
+    assert not layer.router.bias.any()
+    good_step(layer, ref, "topk-bias", [4, 3, 0, 5], together=group)
+    for case, sync_free in (("base-k2", False), ("base-approx", True)):
+        layer, ref = parallel_and_reference(case, mesh, etp="etp", static_splits=True)
+        x = tokens_of(case, rank, 3 if rank == 3 else 4)
+        if sync_free:
+            with pytest.raises(RuntimeError, match="ranks disagree"):
+                layer(x)
+        else:
+            with pytest.raises(ValueError, match="promises the same number" if rank >= 2 else peers):
+                layer(x)
+        good_step(layer, ref, case, [4] * 4, together=group)
 
 
 def worker(rank: int, world: int, store: str) -> None:
