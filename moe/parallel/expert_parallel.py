@@ -17,8 +17,6 @@ Layouts (docs/parallel.md):
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -34,7 +32,7 @@ from ..routing import (
     expert_capacities,
 )
 from ..routing.common import check_seq_len, in_backward
-from .agreement import Agreement, exchange_sizes, input_error
+from .agreement import Agreement, all_reduce_mesh, check_same_config, exchange_sizes, input_error
 from .all_to_all import all_gather_rows, reduce_scatter_rows
 from .dispatch import STRATEGIES, combine, dispatch, raise_if_peers_failed, resolve_strategy, send_key
 
@@ -60,13 +58,6 @@ class GroupBalance:
         idx = self.solver(rows, k, **options)
         start = sum(sizes[: dist.get_rank(self.group)])
         return idx[start : start + scores_TE.shape[0]]
-
-
-def _all_reduce_mesh(t: Tensor, mesh: DeviceMesh, op=dist.ReduceOp.SUM) -> Tensor:
-    """Reduce ``t`` in place over every rank of ``mesh`` (one all-reduce per dimension)."""
-    for dim in range(mesh.ndim):
-        dist.all_reduce(t, op=op, group=mesh.get_group(dim))
-    return t
 
 
 class ExpertParallel:
@@ -229,52 +220,6 @@ def _mesh_dim(mesh: DeviceMesh, name: str | None, arg: str) -> int | None:
     return names.index(name)
 
 
-def _difference(mine: dict, theirs: dict) -> str:
-    """Where two ranks' descriptions differ, in words."""
-    where = f"the MoE layers: {[n for n, *_ in mine['layers']]} here, {[n for n, *_ in theirs['layers']]} there"
-    pairs = [("parallelize_moe options", mine["options"], theirs["options"])]
-    if len(theirs["layers"]) == len(mine["layers"]):
-        pairs += [
-            (f"layer {a!r}", {**cfg, "parallelised": done}, {**other, "parallelised": other_done})
-            for (a, cfg, done), (_, other, other_done) in zip(mine["layers"], theirs["layers"], strict=True)
-        ]
-    for what, here, there in pairs:
-        diff = {k: (v, there.get(k)) for k, v in here.items() if there.get(k) != v}
-        if diff:
-            return f"{what}: (here, there) {diff}"
-    return where
-
-
-def _check_agreement(layers: list[tuple[str, MoE]], mesh: DeviceMesh, options: dict) -> None:
-    """Raise ValueError on every rank if any rank of the mesh has other layers or options.
-
-    Runs before any local check, so every rank takes part in the same collectives whatever its
-    arguments: one gather per mesh dimension, then one all-reduce per dimension of a mismatch
-    flag (a rank whose own groups agree still learns that a rank elsewhere in the mesh differs).
-    """
-    mine = {
-        "options": options,
-        "layers": [(name, dataclasses.asdict(layer.config), layer.parallel is not None) for name, layer in layers],
-    }
-    found = None
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        for rank, theirs in enumerate(gathered):
-            if found is None and theirs != mine:
-                found = (
-                    f"global rank {dist.get_global_rank(group, rank)} (mesh dimension "
-                    f"{mesh.mesh_dim_names[dim]!r}) differs from this rank in {_difference(mine, theirs)}"
-                )
-    flag = torch.tensor([float(found is not None)], device=mesh.device_type)
-    _all_reduce_mesh(flag, mesh, dist.ReduceOp.MAX)
-    if flag.item():
-        raise ValueError(
-            "ranks disagree on the MoE configuration: " + (found or "another rank of the mesh found a difference")
-        )
-
-
 @torch.no_grad()
 def _broadcast(t: Tensor, mesh: DeviceMesh) -> None:
     """Give every rank the value at mesh coordinate (0, ..., 0)."""
@@ -322,7 +267,7 @@ def parallelize_moe(
         "dispatch_strategy": dispatch_strategy,
         "mesh": tuple(mesh.shape),
     }
-    _check_agreement(layers, mesh, options)  # first: the checks below then fail alike on every rank
+    check_same_config(layers, mesh, options)  # first: the checks below then fail alike on every rank
     ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
     if dispatch_strategy not in STRATEGIES:
         raise ValueError(f"dispatch_strategy must be one of {STRATEGIES}, got {dispatch_strategy!r}")
@@ -397,7 +342,7 @@ def reduce_gradients(module: nn.Module, mesh: DeviceMesh, *, op: str = "avg") ->
         if isinstance(p, DTensor) and p.device_mesh != mesh:
             raise ValueError(f"parameter {name!r} is a DTensor on another mesh ({p.device_mesh}); reduce it there")
     has_grad = torch.tensor([float(p.grad is not None) for _, p in params], device=mesh.device_type)
-    _all_reduce_mesh(has_grad, mesh, dist.ReduceOp.MAX)
+    all_reduce_mesh(has_grad, mesh, dist.ReduceOp.MAX)
     for (_, p), anywhere in zip(params, has_grad.tolist(), strict=True):
         if not anywhere:
             continue
