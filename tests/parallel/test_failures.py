@@ -126,6 +126,20 @@ def check_static_splits(mesh) -> None:
         else:
             fails_everywhere(layer, x.bfloat16() if rank == 1 else x, 1, "dtype")
         good_step(layer, ref, case, [6, 6])
+    # A router error after the sync-free path's agreement has nothing left to carry it: here
+    # every rank fails alike (so nobody waits), and the layer then refuses to run again rather
+    # than meet, on a rank that failed alone, its peers' row exchange with another step's rows.
+    layer, _ = parallel_and_reference("base-approx", mesh, static_splits=True)
+
+    def broken_router(*args, **kwargs):
+        raise ValueError("the router failed")
+
+    layer.router.forward = broken_router
+    x = tokens_of("base-approx", rank, 6)
+    with pytest.raises(ValueError, match="the router failed"):
+        layer(x)
+    with pytest.raises(ValueError, match="cannot run again"):
+        layer(x)
 
 
 def check_etp(mesh) -> None:
