@@ -138,7 +138,8 @@ class Agreement:
             if stage == "etp":
                 self._etp_exchange(-1, None)
             elif stage == "bias":
-                self.sum_loads(torch.zeros(self.num_experts + 1, device=self.device), failed=True)
+                loads = torch.zeros(self.num_experts + 1, dtype=torch.float32, device=self.device)  # as the router's
+                self.sum_loads(loads, failed=True)
             elif stage in ("global", "static"):
                 exchange_sizes(-1, self.ep_group, self.device)
             else:  # "counts": the count exchange of `dispatch`, every count -1
@@ -200,7 +201,7 @@ class Agreement:
         other rank alike."""
         n = -1 if x_TD is None else x_TD.shape[0]
         mine = torch.full((), n, dtype=torch.int64, device=self.device)
-        if x_TD is not None and x_TD.numel():  # aminmax propagates NaN, in one pass: 5x isfinite's speed on CPU
+        if x_TD is not None and x_TD.numel():  # aminmax propagates NaN; one pass, ~5x isfinite(x).all() on CPU
             lo, hi = torch.aminmax(x_TD)
             mine = torch.where(torch.isfinite(lo) & torch.isfinite(hi), mine, -1)
         world = dist.get_world_size(self.ep_group)
