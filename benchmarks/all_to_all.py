@@ -12,6 +12,10 @@ dispatcher's overhead over the raw all-to-all of the same bytes.
    the local re-sort or the per-expert exchange, and back) against two raw all-to-alls with the
    same splits. Routings: top-k (random scores, K=2, uneven loads, counted path) and BASE
    (balanced loads; counted and static-split paths); both dispatch strategies.
+3. The static path's agreement (`moe.parallel.agreement`): the exchange of the W token counts
+   that checks ``static_splits``' promise and carries failures, checked on the device (with the
+   finiteness pass over the T x H tokens) or read on the host, beside the static path's
+   dispatch + combine at the same shape.
 
 Times are the median over repeats of the slowest rank.
 """
@@ -23,9 +27,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.common import run_meta, timed_turns, write_section
 from moe.parallel import combine, dispatch
+from moe.parallel.agreement import Agreement, exchange_sizes
 from moe.routing import expert_capacities
 
 
@@ -110,7 +116,30 @@ def dispatcher(tokens: int, hidden: int, experts: int, dtype, repeats: int, devi
     return rows
 
 
-def markdown(sweep_rows: list[dict], disp_rows: list[dict], meta: dict, args) -> str:
+def agreement_cost(tokens: int, hidden: int, experts: int, dtype, repeats: int, device: torch.device) -> dict:
+    """The static path's agreement beside its dispatch + combine (per_expert, BASE K=2 loads)."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    agreement = Agreement(mesh, mesh.get_group(0), None, experts)
+    x = torch.randn(tokens * 2, hidden, generator=torch.Generator().manual_seed(dist.get_rank())).to(device, dtype)
+    known = expert_capacities(tokens, experts, 2).tolist()
+    counts = torch.tensor(known).view(world, -1).T.reshape(-1).to(device)
+
+    def static():
+        local, _, info = dispatch(x, counts, known_counts=known, strategy="per_expert")
+        return combine(local, info)
+
+    fns = {
+        "static": static,
+        "device": lambda: agreement.on_device(x[:tokens], None),
+        "host": lambda: exchange_sizes(tokens, mesh.get_group(0), device),
+    }
+    reps = repeats if tokens * hidden >= 1 << 22 else 5 * repeats
+    times = _time(fns, reps, device)
+    return {"shape": f"{tokens} x {hidden}", "repeats": reps, **{f"ms_{k}": v * 1e3 for k, v in times.items()}}
+
+
+def markdown(sweep_rows: list[dict], disp_rows: list[dict], agree_rows: list[dict], meta: dict, args) -> str:
     lines = [
         f"Command: `{meta['command']}` (launched with `torchrun --nproc-per-node {meta['world']}`). "
         f"Machine: {meta['machine']}, {meta['world']} ranks, backend {meta['backend']}, "
@@ -136,6 +165,20 @@ def markdown(sweep_rows: list[dict], disp_rows: list[dict], meta: dict, args) ->
         f"| {r['ms_dispatcher']:.2f} | {r['ms_raw']:.2f} | {r['overhead']:+.1%} |"
         for r in disp_rows
     ]
+    lines += [
+        "",
+        "The static path's agreement (the W token counts exchanged, checked on the device with the pass over "
+        "the tokens for finiteness, or read on the host) beside its dispatch + combine (per_expert):",
+        "",
+        "| tokens x hidden | repeats | static dispatch + combine (ms) | agreement on the device (ms) | share "
+        "| read on the host (ms) | share |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['shape']} | {r['repeats']} | {r['ms_static']:.2f} | {r['ms_device']:.3f} "
+        f"| {r['ms_device'] / r['ms_static']:.1%} | {r['ms_host']:.3f} | {r['ms_host'] / r['ms_static']:.1%} |"
+        for r in agree_rows
+    ]
     return "\n".join(lines)
 
 
@@ -158,14 +201,16 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--experts must be divisible by the {dist.get_world_size()} ranks, got {args.experts}")
         sizes = [1 << s for s in range(10, args.max_bytes.bit_length(), 2)]
         sweep_rows = sweep(sizes, args.repeats, device)
-        disp_rows = []
+        disp_rows, agree_rows = [], []
         for shape in args.shapes:
             tokens, hidden = (int(v) for v in shape.split("x"))
-            disp_rows += dispatcher(tokens, hidden, args.experts, getattr(torch, args.dtype), args.repeats, device)
+            dtype = getattr(torch, args.dtype)
+            disp_rows += dispatcher(tokens, hidden, args.experts, dtype, args.repeats, device)
+            agree_rows.append(agreement_cost(tokens, hidden, args.experts, dtype, args.repeats, device))
         if dist.get_rank() == 0:
             meta = run_meta("benchmarks.all_to_all", argv, device)
             meta.update(world=dist.get_world_size(), backend=dist.get_backend())
-            text = markdown(sweep_rows, disp_rows, meta, args)
+            text = markdown(sweep_rows, disp_rows, agree_rows, meta, args)
             print(text)
             if args.docs:
                 write_section("all-to-all", text, "## All-to-all and the expert-parallel dispatcher")

@@ -63,10 +63,12 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, *, seq_len: int | None = None) -> Tensor:
         cfg = self.config
+        par = self.parallel
+        if par is not None:  # before any collective: a bad x on one rank then fails every rank alike
+            par.check_input(self, x, seq_len)
         if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != cfg.dim:
             raise ValueError(f"x must have shape (..., D={cfg.dim}), got {_shape_of(x)}")
         x_TD = x.reshape(-1, cfg.dim)
-        par = self.parallel
         x_in = par.gather_tokens(x_TD) if par is not None else x_TD  # the tokens routed together
         try:
             res = self.router(x_in, seq_len=seq_len)  # raises on NaN / Inf input

@@ -17,8 +17,6 @@ Layouts (docs/parallel.md):
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -33,17 +31,12 @@ from ..routing import (
     balanced_assignment_approx,
     expert_capacities,
 )
-from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
-from .dispatch import STRATEGIES, PeerFailedError, combine, dispatch, raise_if_peers_failed, resolve_strategy, send_key
+from ..routing.common import check_seq_len, in_backward
+from .agreement import Agreement, all_reduce_mesh, check_same_config, exchange_sizes, input_error
+from .all_to_all import all_gather_rows, reduce_scatter_rows
+from .dispatch import STRATEGIES, combine, dispatch, raise_if_peers_failed, resolve_strategy, send_key
 
 __all__ = ["ExpertParallel", "GroupBalance", "parallelize_moe", "reduce_gradients"]
-
-
-def _exchange_sizes(n: int, group, device: torch.device) -> list[int]:
-    """Every rank's ``n`` in rank order (one small all-to-all and a host sync)."""
-    world = dist.get_world_size(group)
-    sizes = all_to_all(torch.full((world,), n, dtype=torch.int64, device=device), [1] * world, [1] * world, group)
-    return sizes.tolist()
 
 
 class GroupBalance:
@@ -54,9 +47,12 @@ class GroupBalance:
 
     def __init__(self, group, solver) -> None:
         self.group, self.solver = group, solver
+        self.agreement = None  # the layer's `Agreement`, told when the exchange has run
 
     def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
-        sizes = _exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
+        sizes = exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
+        if self.agreement is not None:
+            self.agreement.passed("global")
         raise_if_peers_failed(sizes, self.group, "exchange")
         rows = all_gather_rows(scores_TE.detach(), sizes, self.group)  # the same (sum T, E) everywhere
         idx = self.solver(rows, k, **options)
@@ -64,29 +60,16 @@ class GroupBalance:
         return idx[start : start + scores_TE.shape[0]]
 
 
-def _all_reduce_mesh(t: Tensor, mesh: DeviceMesh, op=dist.ReduceOp.SUM) -> Tensor:
-    """Reduce ``t`` in place over every rank of ``mesh`` (one all-reduce per dimension)."""
-    for dim in range(mesh.ndim):
-        dist.all_reduce(t, op=op, group=mesh.get_group(dim))
-    return t
-
-
-class _MeshSum:
-    """Sum a tensor over every rank of a mesh (one all-reduce per mesh dimension)."""
-
-    def __init__(self, mesh: DeviceMesh) -> None:
-        self.mesh = mesh
-
-    def __call__(self, t: Tensor) -> Tensor:
-        return _all_reduce_mesh(t.clone(), self.mesh)
-
-
 class ExpertParallel:
     """The parallel steps of one layer, set as ``layer.parallel`` by `parallelize_moe`.
 
     ``static_splits``: the caller's promise that every rank routes the same number of tokens in
     every call. BASE routing in training (per-rank balance) then sends exactly the balanced
-    loads, known on the host, so the count exchange and its host sync are skipped.
+    loads, known on the host, so the count exchange and its host sync are skipped (a W-value
+    exchange checks the promise instead, `Agreement`).
+
+    Failures: `check_input` starts every forward; a rank that cannot go on tells the others in
+    the next status collective of the forward (`moe.parallel.agreement`), so every rank raises.
     """
 
     def __init__(
@@ -108,14 +91,63 @@ class ExpertParallel:
         self.etp_group = mesh.get_group(etp) if etp is not None else None
         self.etp_size = dist.get_world_size(self.etp_group) if etp is not None else 1
         self.loss_scale = 1.0 / self.etp_size  # the etp ranks route the same tokens: count the loss once
+        self.agreement = Agreement(mesh, self.ep_group, self.etp_group, num_experts)
         self._sizes: list[int] | None = None  # rows of each etp rank in the current forward
+        self._seq_len: int | None = None  # the current forward's
+        self._broken: Exception | None = None  # a failure no collective could carry (see fail)
+
+    def _on_device(self, router) -> bool:
+        """The static path with a router that reads nothing back: agreed before routing, on the device."""
+        return self._static(router) and not router.host_syncs
+
+    def _stages(self, layer: MoE) -> list[str]:
+        """The status collectives of a forward, in order (the same on every rank)."""
+        router = layer.router
+        if self._on_device(router):
+            return ["static", "etp"] if self.etp_group is not None else ["static"]
+        stages = ["etp"] if self.etp_group is not None else []
+        if isinstance(router, TopKRouter) and router.training and router.config.bias_update_rate > 0:
+            stages += [] if in_backward() else ["bias"]  # a checkpointing re-run moves no bias
+        if isinstance(router, BaseRouter) and router.training and isinstance(router.assign, GroupBalance):
+            stages.append("global")
+        return [*stages, "static" if self._static(router) else "counts"]
+
+    def check_input(self, layer: MoE, x: Tensor, seq_len: int | None = None) -> None:
+        """Start a forward: check ``x`` (and ``seq_len`` where the routed T is known) before any
+        collective; a bad one raises ValueError here and, through the forward's first status
+        collective, on every other rank."""
+        if self._broken is not None:
+            raise ValueError(
+                "an earlier forward of this layer failed on this rank after the other ranks had gone on to "
+                "exchange rows (see the error above); they wait for it until the group's timeout, so this "
+                "layer cannot run again in this process group"
+            ) from self._broken
+        stages = self._stages(layer)
+        self.agreement.start(stages)
+        self._seq_len = seq_len
+        cfg = layer.config
+        err = input_error(x, cfg.dim, layer.experts.w1.dtype, self.device.type)
+        if err is None and (self.etp_group is None or self.static_splits):  # the routed T is known
+            try:
+                check_seq_len(layer.router.config, seq_len, x.numel() // cfg.dim * self.etp_size)
+            except ValueError as seq_err:
+                err = seq_err
+        if self._on_device(layer.router):
+            self.agreement.on_device(None if err else x.reshape(-1, cfg.dim), seq_len)
+            if err is not None:
+                raise err
+        elif err is not None:
+            self.agreement.relay(err)
 
     def gather_tokens(self, x_TD: Tensor) -> Tensor:
         """This rank's tokens -> the tokens routed together (the etp group's, in rank order)."""
         if self.etp_group is None:
             return x_TD
         n = x_TD.shape[0]
-        self._sizes = [n] * self.etp_size if self.static_splits else _exchange_sizes(n, self.etp_group, x_TD.device)
+        if "etp" in self.agreement.ahead:
+            self._sizes = self.agreement.etp_sizes(n, self._seq_len, static=self.static_splits)
+        else:  # agreed on the device already: the static path with a router that reads nothing
+            self._sizes = [n] * self.etp_size
         return all_gather_rows(x_TD, self._sizes, self.etp_group)
 
     def sort_key(self, expert_idx: Tensor) -> Tensor:
@@ -137,6 +169,9 @@ class ExpertParallel:
 
     def run_experts(self, layer: MoE, xs_MD: Tensor, counts_E: Tensor, routing) -> Tensor:
         """Expert-sorted rows of the routed tokens -> the experts' outputs, in the same order."""
+        if "static" in self.agreement.ahead:  # the static path, with a router that reads anyway
+            self.agreement.static_sizes(routing.expert_idx.shape[0])
+        self.agreement.start([])  # the count exchange, if any, is the last status collective
         known = None
         if self._static(layer.router):
             num_tokens, k = routing.expert_idx.shape
@@ -151,20 +186,15 @@ class ExpertParallel:
         return combine(layer.experts(x_local, counts_local), info)
 
     def fail(self, layer: MoE, err: Exception) -> None:
-        """This rank cannot route (e.g. NaN input): join the collective the other ranks wait in
-        with a negative count, so they raise too, then raise ``err``. The static path has no
-        exchange to carry it (docs/parallel.md). An error that reports another rank's failure
-        is raised as it is: that rank has already told everyone."""
-        if isinstance(err, PeerFailedError):
-            raise err
-        router = layer.router
-        if isinstance(router, BaseRouter) and router.training and isinstance(router.assign, GroupBalance):
-            _exchange_sizes(-1, self.ep_group, self.device)
-        elif not self._static(router):
-            per_rank = self.num_experts // self.ep_size
-            poison = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
-            all_to_all(poison, [per_rank] * self.ep_size, [per_rank] * self.ep_size, self.ep_group)
-        raise err
+        """This rank cannot route (e.g. NaN input), or learnt in a status collective that another
+        rank cannot: run the forward's remaining status collectives with failure notices, so
+        every rank raises, then raise ``err``. When none remains (the sync-free static path
+        agreed before routing) the other ranks have gone on to exchange rows and wait until the
+        timeout; this rank then refuses every later forward instead of meeting their exchange
+        with another step's rows."""
+        if not self.agreement.ahead:
+            self._broken = err
+        self.agreement.relay(err)
 
     def scatter_tokens(self, y_TD: Tensor) -> Tensor:
         """Outputs of the routed tokens (partial sums over F under etp) -> this rank's rows."""
@@ -188,52 +218,6 @@ def _mesh_dim(mesh: DeviceMesh, name: str | None, arg: str) -> int | None:
     if name not in names:
         raise ValueError(f"{arg} must name a dimension of the mesh, whose dimensions are {names}; got {name!r}")
     return names.index(name)
-
-
-def _difference(mine: dict, theirs: dict) -> str:
-    """Where two ranks' descriptions differ, in words."""
-    where = f"the MoE layers: {[n for n, *_ in mine['layers']]} here, {[n for n, *_ in theirs['layers']]} there"
-    pairs = [("parallelize_moe options", mine["options"], theirs["options"])]
-    if len(theirs["layers"]) == len(mine["layers"]):
-        pairs += [
-            (f"layer {a!r}", {**cfg, "parallelised": done}, {**other, "parallelised": other_done})
-            for (a, cfg, done), (_, other, other_done) in zip(mine["layers"], theirs["layers"], strict=True)
-        ]
-    for what, here, there in pairs:
-        diff = {k: (v, there.get(k)) for k, v in here.items() if there.get(k) != v}
-        if diff:
-            return f"{what}: (here, there) {diff}"
-    return where
-
-
-def _check_agreement(layers: list[tuple[str, MoE]], mesh: DeviceMesh, options: dict) -> None:
-    """Raise ValueError on every rank if any rank of the mesh has other layers or options.
-
-    Runs before any local check, so every rank takes part in the same collectives whatever its
-    arguments: one gather per mesh dimension, then one all-reduce per dimension of a mismatch
-    flag (a rank whose own groups agree still learns that a rank elsewhere in the mesh differs).
-    """
-    mine = {
-        "options": options,
-        "layers": [(name, dataclasses.asdict(layer.config), layer.parallel is not None) for name, layer in layers],
-    }
-    found = None
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        for rank, theirs in enumerate(gathered):
-            if found is None and theirs != mine:
-                found = (
-                    f"global rank {dist.get_global_rank(group, rank)} (mesh dimension "
-                    f"{mesh.mesh_dim_names[dim]!r}) differs from this rank in {_difference(mine, theirs)}"
-                )
-    flag = torch.tensor([float(found is not None)], device=mesh.device_type)
-    _all_reduce_mesh(flag, mesh, dist.ReduceOp.MAX)
-    if flag.item():
-        raise ValueError(
-            "ranks disagree on the MoE configuration: " + (found or "another rank of the mesh found a difference")
-        )
 
 
 @torch.no_grad()
@@ -283,7 +267,7 @@ def parallelize_moe(
         "dispatch_strategy": dispatch_strategy,
         "mesh": tuple(mesh.shape),
     }
-    _check_agreement(layers, mesh, options)  # first: the checks below then fail alike on every rank
+    check_same_config(layers, mesh, options)  # first: the checks below then fail alike on every rank
     ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
     if dispatch_strategy not in STRATEGIES:
         raise ValueError(f"dispatch_strategy must be one of {STRATEGIES}, got {dispatch_strategy!r}")
@@ -328,10 +312,11 @@ def parallelize_moe(
         )
         if global_base:
             layer.router.assign = GroupBalance(layer.parallel.ep_group, solver=layer.router.assign)
+            layer.router.assign.agreement = layer.parallel.agreement
         elif static_splits and isinstance(layer.router, BaseRouter):
             layer.router.sync_free = True  # with the approx solver the static path reads nothing back
         if isinstance(layer.router, TopKRouter):
-            layer.router.sum_over_ranks = _MeshSum(mesh)
+            layer.router.sum_over_ranks = layer.parallel.agreement.sum_loads
     return module
 
 
@@ -357,7 +342,7 @@ def reduce_gradients(module: nn.Module, mesh: DeviceMesh, *, op: str = "avg") ->
         if isinstance(p, DTensor) and p.device_mesh != mesh:
             raise ValueError(f"parameter {name!r} is a DTensor on another mesh ({p.device_mesh}); reduce it there")
     has_grad = torch.tensor([float(p.grad is not None) for _, p in params], device=mesh.device_type)
-    _all_reduce_mesh(has_grad, mesh, dist.ReduceOp.MAX)
+    all_reduce_mesh(has_grad, mesh, dist.ReduceOp.MAX)
     for (_, p), anywhere in zip(params, has_grad.tolist(), strict=True):
         if not anywhere:
             continue

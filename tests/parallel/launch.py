@@ -30,7 +30,11 @@ def spawn(fn, world: int, *args) -> None:
         mp.spawn(_run, args=(fn, world, os.path.join(tmp, "store"), *args), nprocs=world, join=True)
 
 
-def init(rank: int, world: int, store: str) -> None:
+def init(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
