@@ -9,6 +9,7 @@ from .dispatch import DispatchInfo, PeerFailedError, combine, dispatch
 from .expert_parallel import ExpertParallel, GroupBalance, parallelize_moe, reduce_gradients
 from .layout import LlamaMesh
 from .llama import LlamaParallel, llama_loss, loss_context, parallelize_llama, router_loss
+from .pipeline import LlamaPipeline, pipeline_llama
 
 __all__ = [
     "DispatchInfo",
@@ -16,6 +17,7 @@ __all__ = [
     "GroupBalance",
     "LlamaMesh",
     "LlamaParallel",
+    "LlamaPipeline",
     "PeerFailedError",
     "all_gather_rows",
     "all_to_all",
@@ -24,6 +26,7 @@ __all__ = [
     "llama_loss",
     "loss_context",
     "parallelize_llama",
+    "pipeline_llama",
     "parallelize_moe",
     "reduce_gradients",
     "reduce_scatter_rows",

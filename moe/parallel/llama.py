@@ -49,7 +49,15 @@ from ..routing import TopKRouter
 from .expert_parallel import parallelize_moe
 from .layout import LlamaMesh
 
-__all__ = ["LlamaParallel", "block_plan", "llama_loss", "loss_context", "model_plan", "parallelize_llama", "router_loss"]
+__all__ = [
+    "LlamaParallel",
+    "block_plan",
+    "llama_loss",
+    "loss_context",
+    "model_plan",
+    "parallelize_llama",
+    "router_loss",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,25 +132,29 @@ def _check(model: nn.Module, lm: LlamaMesh, etp: bool, loss_parallel: bool) -> N
             f"(attention heads are sharded over tp); choose tp among the common divisors"
         )
     if (etp or loss_parallel) and tp == 1:
-        raise ValueError(f"etp / loss_parallel shard over tp, but the mesh has tp=1 (etp={etp}, loss_parallel={loss_parallel})")
+        raise ValueError(
+            f"etp / loss_parallel shard over tp, but the mesh has tp=1 (etp={etp}, loss_parallel={loss_parallel})"
+        )
     for name, layer in _moe_layers(model):
         if layer.config.num_experts % ep:
             raise ValueError(f"ep={ep} must divide num_experts={layer.config.num_experts} (layer {name!r})")
         if etp and layer.config.hidden_dim % tp:
-            raise ValueError(f"etp: tp={tp} must divide the expert hidden_dim={layer.config.hidden_dim} (layer {name!r})")
+            raise ValueError(
+                f"etp: tp={tp} must divide the expert hidden_dim={layer.config.hidden_dim} (layer {name!r})"
+            )
         if layer.config.fused and (ep > 1 or etp):
             raise ValueError(f"layer {name!r}: MoEConfig.fused is single-device only; set fused=False for ep/etp")
 
 
-def _check_agreement(model: nn.Module, lm: LlamaMesh, options: dict) -> None:
-    """Raise on every rank if any rank was given another model configuration or options."""
-    mine = {"config": repr(model.config), "layers": sorted(model.layers.keys()), "options": options}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+def check_agreement(what: str, mine: dict, group=None) -> None:
+    """Raise on every rank of ``group`` (default: all) if any of them was given other ``mine``."""
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
     for rank, theirs in enumerate(gathered):
         if theirs != mine:
-            diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
-            raise ValueError(f"ranks disagree in parallelize_llama: rank {rank} differs, (here, there): {diff}")
+            diff = {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
+            rank = dist.get_global_rank(group, rank) if group is not None else rank
+            raise ValueError(f"ranks disagree in {what}: rank {rank} differs, (here, there): {diff}")
 
 
 class _SumOverGroup:
@@ -243,7 +255,8 @@ def parallelize_llama(
         mesh=lm.describe(), etp=etp, loss_parallel=loss_parallel, ac=activation_checkpoint, compile=compile,
         mp=repr(mp_policy), static_splits=static_splits, global_base=global_base,
     )  # fmt: skip
-    _check_agreement(model, lm, options)
+    mine = {"config": repr(model.config), "layers": sorted(model.layers.keys()), "options": options}
+    check_agreement("parallelize_llama", mine, lm.world["dp_tp"].get_group())  # the ranks of this stage
     _check(model, lm, etp, loss_parallel)
     world, tp = lm.world, lm.tp
     if tp > 1:
