@@ -180,6 +180,17 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = run
 
 
+def _compile_block(block: nn.Module, options: dict) -> None:
+    """torch.compile a block in place (its parameter names stay). An MoE block compiles its
+    attention and norms and leaves the MoE layer eager: the layer reads routing results on the
+    host (finiteness checks, counts, the BASE solver), each a graph break."""
+    if isinstance(block.feed_forward, MoE):
+        for part in (block.attention_norm, block.attention, block.ffn_norm):
+            part.compile(**options)
+    else:
+        block.compile(**options)
+
+
 def _check_seq_len(tp: int):
     def hook(module, args):
         tokens = args[0]
@@ -222,7 +233,7 @@ def parallelize_llama(
     etp: bool = False,
     loss_parallel: bool = False,
     activation_checkpoint: bool = False,
-    compile: bool = False,
+    compile: bool | dict = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     static_splits: bool = False,
@@ -239,7 +250,9 @@ def parallelize_llama(
         loss_parallel: the output projection keeps its vocabulary shards: logits are a
             (B, S, V/Tp) DTensor, for `llama_loss` (which computes the loss under
             `torch.distributed.tensor.parallel.loss_parallel`).
-        activation_checkpoint / compile: per block.
+        activation_checkpoint: re-run each block's forward in backward.
+        compile: torch.compile each block (True: ``fullgraph=True``; a dict: torch.compile's
+            options); an MoE block's MoE layer stays eager (see `_compile_block`).
         mp_policy: FSDP2's `MixedPrecisionPolicy` (e.g. bf16 params, fp32 reductions on GPU).
         static_splits, global_base: passed to `parallelize_moe`.
 
@@ -279,7 +292,7 @@ def parallelize_llama(
         if activation_checkpoint:
             _checkpointed(block)
         if compile:
-            block.compile(fullgraph=False)
+            _compile_block(block, {"fullgraph": True} if compile is True else dict(compile))
     kw = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     kept = set()  # expert weights no other rank holds: outside FSDP
     for block in model.layers.values():

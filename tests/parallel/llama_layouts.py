@@ -28,10 +28,8 @@ TOL = dict(rtol=1e-5, atol=5e-6)  # fp32; parameters are ~2e-2 and move by ~1e-2
 
 def config(router: str, n_layers: int = 2, num_experts: int = 4, **overrides) -> LlamaConfig:
     moe = MoEConfig(dim=32, hidden_dim=48, num_experts=num_experts, **ROUTERS[router])
-    return LlamaConfig(
-        dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64,
-        max_seq_len=SEQ, moe=moe, moe_every=2, **overrides,
-    )  # fmt: skip
+    fields = dict(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64)
+    return LlamaConfig(**(fields | dict(max_seq_len=SEQ, moe=moe, moe_every=2) | overrides))
 
 
 def build(cfg: LlamaConfig, seed: int = 0) -> Llama:
