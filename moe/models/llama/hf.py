@@ -155,7 +155,7 @@ def from_hf(model_or_path, *, model_cls, moe=None, noise: float = 0.0, seed: int
     with torch.device("meta"):
         model = model_cls(config)
     model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         model.init_weights()  # the routers: everything else is overwritten below
         gen = torch.Generator(device=device).manual_seed(seed)
