@@ -329,7 +329,7 @@ def llama_loss(model: nn.Module, logits_BSV: Tensor, targets_BS: Tensor) -> Tens
     averages the gradients): equal token counts per rank make it the global token mean."""
     flat, labels = logits_BSV.flatten(0, 1), targets_BS.flatten()
     if isinstance(logits_BSV, DTensor):  # loss_parallel: vocabulary-sharded logits
-        with loss_parallel():
+        with loss_context(model):  # entered already when the caller runs the backward in it
             ce = F.cross_entropy(flat, labels)
         ce = ce.full_tensor() if isinstance(ce, DTensor) else ce
     else:
@@ -337,9 +337,22 @@ def llama_loss(model: nn.Module, logits_BSV: Tensor, targets_BS: Tensor) -> Tens
     return ce + router_loss(model)
 
 
+_loss_parallel_depth = 0  # loss_context() blocks entered: loss_parallel() must not be nested (its exit disarms it)
+
+
+@contextlib.contextmanager
 def loss_context(model: nn.Module):
     """The context the loss and its backward must run in: `loss_parallel` when the model was
     laid out with ``loss_parallel=True`` (its vocabulary-sharded cross entropy needs it in the
     backward too), else a no-op."""
+    global _loss_parallel_depth
     layout = getattr(model, "parallel_layout", None)
-    return loss_parallel() if layout is not None and layout.loss_parallel else contextlib.nullcontext()
+    if layout is None or not layout.loss_parallel or _loss_parallel_depth:
+        yield
+        return
+    _loss_parallel_depth += 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _loss_parallel_depth -= 1

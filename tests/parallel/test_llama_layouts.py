@@ -23,6 +23,9 @@ def _mesh(shape, names):
 
 def two_rank_layouts(rank, world, store):
     init(rank, world, store)
+    cfg = L.config("topk")
+    L.run_parallel(cfg, _mesh((2,), ("tp",)), "tp=2 loss_parallel", loss_parallel=True)
+    L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 checkpointed", ep=2, activation_checkpoint=True)
     for router in ROUTERS:
         cfg = L.config(router)
         L.run_parallel(cfg, _mesh((2,), ("dp_replicate",)), f"dp_replicate=2 {router}")
@@ -30,9 +33,6 @@ def two_rank_layouts(rank, world, store):
         L.run_parallel(cfg, _mesh((2,), ("tp",)), f"tp=2+SP {router}")
         L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), f"ep=2 {router}", ep=2)
         L.run_parallel(cfg, _mesh((2,), ("tp",)), f"tp=2 etp {router}", etp=True)
-    cfg = L.config("topk")
-    L.run_parallel(cfg, _mesh((2,), ("tp",)), "tp=2 loss_parallel", loss_parallel=True)
-    L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 checkpointed", ep=2, activation_checkpoint=True)
 
 
 def test_two_rank_layouts():
@@ -101,7 +101,13 @@ def bad_layouts(rank, world, store):
     _raises("n_kv_heads=1", parallelize_llama, L.build(L.config("topk", n_kv_heads=1)), tp)
     _raises("ep=2 must divide dp_shard=1", parallelize_llama, L.build(cfg), tp, ep=2)
     _raises("ep=2 must divide num_experts=3", parallelize_llama, L.build(L.config("topk", num_experts=3)), shard, ep=2)
-    _raises("fewer than the 2 pipeline stages", pipeline_llama, L.build(L.config("topk", n_layers=1)), _mesh((2,), ("pp",)), microbatches=2)
+    _raises(
+        "fewer than the 2 pipeline stages",
+        pipeline_llama,
+        L.build(L.config("topk", n_layers=1)),
+        _mesh((2,), ("pp",)),
+        microbatches=2,
+    )
     _raises("ranks disagree", parallelize_llama, L.build(L.config("topk", vocab_size=64 + rank)), shard)
     model = parallelize_llama(L.build(cfg), tp)
     tokens, targets = L.data(cfg, 0)
