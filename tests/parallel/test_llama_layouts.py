@@ -154,7 +154,7 @@ def compiled_and_checkpointed(rank, world, store):
     for options in (dict(compile={"backend": "aot_eager", "fullgraph": True}), dict(activation_checkpoint=True)):
         model = parallelize_llama(L.build(cfg), mesh, **options)
         calls = []
-        model.layers["0"].attention.register_forward_hook(lambda *_: calls.append(1))
+        model.layers["0"].attention.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         loss = llama_loss(model, model(tokens), targets)
         loss.backward()
         expect = {n: p.grad for n, p in eager.named_parameters()}
