@@ -3,6 +3,7 @@ state, and training-step tokens/s, for dp=2, fsdp=2, tp=2, ep=2 and pp=2 in one 
 
     torchrun --nproc-per-node 2 -m benchmarks.llama_layouts            # gloo on CPU
     torchrun --nproc-per-node 2 -m benchmarks.llama_layouts --docs     # also rewrite docs/benchmarks.md
+    torchrun --nproc-per-node 4 -m benchmarks.llama_layouts --docs     # the 4-rank layouts, their own section
 
 Each layout builds the same model (``--preset``, default ``small``), lays it out with
 `parallelize_llama` (or `pipeline_llama` for pp, 1F1B with 4 micro-batches), and runs AdamW
@@ -37,7 +38,19 @@ LAYOUTS = {  # name: (mesh dims, options)
     "tp=2": ({"tp": 2}, {}),
     "ep=2": ({"dp_shard": 2}, {"ep": 2}),
     "pp=2": ({"pp": 2}, {"schedule": "1f1b", "microbatches": 4}),
+    "tp=2 etp": ({"tp": 2}, {"etp": True}),
+    "dp_replicate=2 x dp_shard=2": ({"dp_replicate": 2, "dp_shard": 2}, {}),
+    "dp_shard=2 x tp=2": ({"dp_shard": 2, "tp": 2}, {}),
+    "tp=2 x ep=2": ({"dp_shard": 2, "tp": 2}, {"ep": 2}),
+    "pp=2 x ep=2": ({"pp": 2, "dp_shard": 2}, {"ep": 2, "schedule": "1f1b", "microbatches": 4}),
 }
+
+
+def _size(dims: dict) -> int:
+    out = 1
+    for v in dims.values():
+        out *= v
+    return out
 
 
 def local_bytes(tensors) -> int:
@@ -84,7 +97,7 @@ def run_layout(cfg: LlamaConfig, name: str, batch, repeats: int) -> dict:
         def step():
             pipe.step(tokens, targets)
     else:
-        model = parallelize_llama(Llama(cfg), lm, ep=lm.ep)
+        model = parallelize_llama(Llama(cfg), lm, ep=lm.ep, **options)
         params = list(model.parameters())
 
         def step():
@@ -134,7 +147,7 @@ def main(argv=None) -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch", default="8x128", help="global batch BxS")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default=None, help="comma-separated; default: every layout of this world size")
     parser.add_argument("--docs", action="store_true")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
@@ -145,14 +158,15 @@ def main(argv=None) -> None:
     data = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g)
     batch = (data[:, :-1], data[:, 1:])
     total = one_process(cfg, batch)
-    results = {name: run_layout(cfg, name, batch, args.repeats) for name in args.layouts.split(",")}
+    names = args.layouts.split(",") if args.layouts else [n for n, (d, _) in LAYOUTS.items() if _size(d) == world]
+    results = {name: run_layout(cfg, name, batch, args.repeats) for name in names}
     if dist.get_rank() == 0:
         meta = run_meta("benchmarks.llama_layouts", argv) | {"preset": args.preset, "batch": args.batch}
         body = markdown(results, total, meta, world)
         print(body)
         print(json.dumps({"meta": meta, "one_process": total, "layouts": results}))
         if args.docs:
-            write_section("llama-layouts", body, "## Llama-2-MoE layouts")
+            write_section(f"llama-layouts-{world}", body, "## Llama-2-MoE layouts")
     dist.destroy_process_group()
 
 
