@@ -39,6 +39,32 @@ def test_two_rank_layouts():
     spawn(two_rank_layouts, 2)
 
 
+def mixed_precision(rank, world, store):
+    """bf16 compute through FSDP2's MixedPrecisionPolicy: the sharded parameters, their
+    gradients and AdamW's state stay fp32, and the first loss is the fp32 one to bf16 accuracy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moe.parallel import LlamaMesh, llama_loss, parallelize_llama
+
+    init(rank, world, store)
+    cfg = L.config("topk")
+    lm = LlamaMesh.build(_mesh((2,), ("dp_shard",)), ep=2)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize_llama(L.build(cfg), lm, ep=2, mp_policy=mp)
+    tokens, targets = (lm.local_batch(t) for t in L.data(cfg, 0))
+    logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    loss = llama_loss(model, logits, targets)
+    loss.backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    expect = L.cached_reference(cfg, lm.dp_size)[0][0]
+    torch.testing.assert_close(lm.mean_over_dp(loss).item(), expect, rtol=2e-2, atol=0)
+
+
+def test_mixed_precision():
+    spawn(mixed_precision, 2)
+
+
 def pipeline_layouts(rank, world, store, schedules):
     init(rank, world, store)
     mesh = _mesh((2,), ("pp",))
