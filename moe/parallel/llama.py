@@ -264,6 +264,8 @@ def parallelize_llama(
     mine = {"config": repr(model.config), "layers": sorted(model.layers.keys()), "options": options}
     check_agreement("parallelize_llama", mine, lm.world["dp_tp"].get_group())  # the ranks of this stage
     _check(model, lm, etp, loss_parallel)
+    if mp_policy is not None and lm.dp_size == 1:
+        raise ValueError("mp_policy is applied by FSDP2, which needs data-parallel ranks; the mesh has dp=1")
     world, tp = lm.world, lm.tp
     if tp > 1:
         for block in model.layers.values():
