@@ -162,6 +162,7 @@ def main(argv=None) -> None:
     results = {name: run_layout(cfg, name, batch, args.repeats) for name in names}
     if dist.get_rank() == 0:
         meta = run_meta("benchmarks.llama_layouts", argv) | {"preset": args.preset, "batch": args.batch}
+        meta["command"] = meta["command"].replace("python -m", f"torchrun --nproc-per-node {world} -m", 1)
         body = markdown(results, total, meta, world)
         print(body)
         print(json.dumps({"meta": meta, "one_process": total, "layouts": results}))
