@@ -98,6 +98,8 @@ def four_rank_layouts(rank, world, store, which):
             )  # fmt: skip
         if "hsdp_etp" in which:
             L.run_parallel(cfg, _mesh((2, 2), ("dp_replicate", "tp")), f"dp_replicate=2 x tp=2 etp {router}", etp=True)
+    if "pp_tp" in which:  # stages pass the sequence shards
+        L.run_pipeline(L.config("topk"), _mesh((2, 2), ("pp", "tp")), "pp=2 x tp=2", schedule="1f1b", microbatches=2)
 
 
 def test_four_rank_tp_ep_and_dp_tp():
@@ -106,7 +108,7 @@ def test_four_rank_tp_ep_and_dp_tp():
 
 @pytest.mark.slow
 def test_four_rank_pp_ep_and_hsdp_etp():
-    spawn(four_rank_layouts, 4, ("pp_ep", "hsdp_etp"))
+    spawn(four_rank_layouts, 4, ("pp_ep", "hsdp_etp", "pp_tp"))
 
 
 def _raises(match: str, fn, *args, **kwargs) -> None:
