@@ -8,10 +8,7 @@ routes one forward); the step's loss is the mean of the C chunk losses. The refe
 C chunks one after another in one process and steps AdamW on the accumulated gradient.
 """
 
-import copy
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -130,15 +127,6 @@ def run_parallel(cfg: LlamaConfig, mesh, what: str, **options) -> None:
     expect_losses, _, expect = cached_reference(cfg, lm.dp_size)
     check_losses(what, losses, expect_losses)
     check_params(what, dict(model.named_parameters()), expect)
-
-
-def same_everywhere(value: float) -> bool:
-    t = torch.tensor([value, -value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t[0].item() == value and -t[1].item() == value
-
-
-__all__ = ["ROUTERS", "build", "cached_reference", "check_losses", "check_params", "config", "copy", "data"]
 
 
 def run_pipeline(
