@@ -20,7 +20,7 @@ __all__ = ["PRECISIONS", "SCHEDULES", "Layout", "parse_layout"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("bf16", "fp8", "fp32")
 _INTS = ("tp", "pp", "vpp", "ep", "dp_shard", "dp_replicate", "micro_batch")
-_BOOLS = ("etp", "recompute", "loss_parallel")
+_BOOLS = ("etp", "recompute", "loss_parallel", "reshard")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +37,7 @@ class Layout:
     precision: str = "bf16"  # bf16: FSDP2 mixed precision (fp32 master shards), fp8: bf16 + fp8 GEMMs
     micro_batch: int = 1  # sequences per micro-batch
     loss_parallel: bool = False
+    reshard: bool = True  # parallelize_llama's reshard_after_forward (False: ZeRO-2-like, one gather a step)
 
     def __post_init__(self) -> None:
         for name in _INTS:

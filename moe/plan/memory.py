@@ -12,7 +12,8 @@ Assumptions (stated once, the same for every layout):
   the one prefetched) and one block's unsharded gradient in fp32. Under pipelining,
   torch.distributed.pipelining keeps gradients unsharded (no sync) and parameters unsharded
   after backward until the last micro-batch: the stage's whole unsharded parameters (compute
-  dtype) and gradients (fp32) are counted.
+  dtype) and gradients (fp32) are counted. With ``reshard=False`` (no reshard after forward)
+  every block stays gathered between its forward and backward.
 - Activations: the tensors an ideal block keeps for backward: norm inputs (sequence shard),
   the gathered inputs of the column-parallel projections (DTensor keeps them whole), q, k, v
   and the attention output (flash attention: no S x S matrix), and in the MLPs both
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .layout import Layout
-from .shards import local_numel, stage_layers, stage_specs, unsharded_numel
+from .shards import local_numel, stage_specs, stage_summary
 
 __all__ = ["COMPONENTS", "USABLE_FRACTION", "TrainShape", "memory", "param_bytes", "peak_memory"]
 
@@ -117,8 +118,10 @@ def param_bytes(cfg: LlamaConfig, lay: Layout, rank: int) -> int:
     return _PARAM_BYTES * total
 
 
-def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int) -> dict[str, int]:
-    """{component: bytes} on the global ``rank`` (`COMPONENTS`), plus "total"."""
+def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: dict | None = None) -> dict[str, int]:
+    """{component: bytes} on the global ``rank`` (`COMPONENTS`), plus "total". ``cache``: see
+    `stage_summary`."""
+    cache = {} if cache is None else cache
     c = lay.coords(rank)
     p, M = c["pp"], shape.microbatches(lay)
     tokens = lay.micro_batch * shape.seq_len
@@ -126,53 +129,57 @@ def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int) -> dict[
         raise ValueError(f"seq_len={shape.seq_len} must be divisible by tp={lay.tp} (sequence parallelism)")
     a = _act_bytes(lay)
     stages = list(range(p, lay.num_stages, lay.pp))
-    runs = stage_layers(cfg.n_layers, lay.num_stages)
-    local = unsharded = 0
-    block_max = 0
-    fsdp = lay.dp > 1
-    for stage in stages:
-        by_block: dict = {}
-        for s in stage_specs(cfg, lay, stage):
-            n = local_numel(s, lay, c)
-            local += n
-            gathered = fsdp and not (s.group == "edp" and lay.edp == 1)
-            if gathered:
-                u = unsharded_numel(s, lay, c)
-                unsharded += u
-                by_block[s.layer] = by_block.get(s.layer, 0) + u
-        block_max = max([block_max, *by_block.values()])
+    sums = [stage_summary(cfg, lay, s, c, cache) for s in stages]
+    local = sum(x.local for x in sums)
+    gathered = sum(x.gathered for x in sums)
+    block_max = max(x.block_max for x in sums)
     out = dict.fromkeys(COMPONENTS, 0)
     out["params"], out["grads"], out["optimizer"] = _PARAM_BYTES * local, _GRAD_BYTES * local, _OPT_BYTES * local
-    if fsdp:
+    if lay.dp > 1 or gathered:
         if lay.pp > 1:
-            out["fsdp_buffers"] = unsharded * (a + _GRAD_BYTES)
+            out["fsdp_buffers"] = gathered * (a + _GRAD_BYTES)
+        elif not lay.reshard:  # every block stays gathered from its forward to its backward
+            out["fsdp_buffers"] = gathered * a + block_max * _GRAD_BYTES
         else:
             out["fsdp_buffers"] = block_max * (2 * a + _GRAD_BYTES)
-    per_stage = [sum(layer_activation_elems(cfg, lay, i, tokens) for i in runs[s]) for s in stages]
+    if ("act",) not in cache:
+        cache[("act",)] = {kind: layer_activation_elems(cfg, lay, i, tokens) for kind, i in _kinds(cfg)}
+    act = cache[("act",)]
+    per_stage = [x.dense_layers * act.get("dense", 0) + x.moe_layers * act.get("moe", 0) for x in sums]
     chunks = live_chunks(lay, p, M)
     if lay.recompute:
-        kept = sum(tokens * cfg.dim // lay.tp * len(runs[s]) for s in stages) / len(stages)
-        worst = max(layer_activation_elems(cfg, lay, i, tokens) for s in stages for i in runs[s])
+        kept = sum(tokens * cfg.dim // lay.tp * (x.dense_layers + x.moe_layers) for x in sums) / len(stages)
+        worst = max(act[kind] for kind in ("dense", "moe") if any(getattr(x, f"{kind}_layers") for x in sums))
         out["activations"] = int(a * (chunks * kept + worst))
     else:
         out["activations"] = int(a * chunks * sum(per_stage) / len(stages))
     if lay.num_stages - 1 in stages:
         vocab = -(-cfg.vocab_size // lay.tp) if lay.loss_parallel else cfg.vocab_size
         out["logits"] = tokens * vocab * (a + 4 + 4)
-    if lay.ep > 1 and any(cfg.is_moe_layer(i) for s in stages for i in runs[s]):
+    if lay.ep > 1 and any(x.moe_layers for x in sums):
         out["moe_dispatch"] = 2 * _routed_rows(cfg, tokens) * cfg.dim * a
     out["total"] = sum(out[k] for k in COMPONENTS)
     return out
 
 
-def peak_memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape) -> tuple[int, dict[str, int]]:
+def _kinds(cfg: LlamaConfig) -> list[tuple[str, int]]:
+    """A representative layer index of each kind present: ("dense", i), ("moe", j)."""
+    out = {}
+    for i in range(cfg.n_layers):
+        out.setdefault("moe" if cfg.is_moe_layer(i) else "dense", i)
+    return list(out.items())
+
+
+def peak_memory(
+    cfg: LlamaConfig, lay: Layout, shape: TrainShape, cache: dict | None = None
+) -> tuple[int, dict[str, int]]:
     """The rank that needs the most memory and its components. Within a pipeline rank, the
     rank at coordinate 0 of every other dimension holds the largest piece of every shard
     (torch.chunk's first piece is the longest), so only those P ranks are compared."""
-    best = None
+    best, cache = None, {} if cache is None else cache
     for p in range(lay.pp):
         rank = lay.rank(pp=p)
-        mem = memory(cfg, lay, shape, rank)
+        mem = memory(cfg, lay, shape, rank, cache)
         if best is None or mem["total"] > best[1]["total"]:
             best = (rank, mem)
     return best

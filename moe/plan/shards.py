@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from ..models.llama import LlamaConfig
 from .layout import Layout
 
-__all__ = ["ParamSpec", "chunk", "local_numel", "rank_params", "stage_layers", "stage_specs"]
+__all__ = [
+    "ParamSpec", "StageSummary", "chunk", "fsdp_group_size", "local_numel", "rank_params", "stage_layers",
+    "stage_specs", "stage_summary",
+]  # fmt: skip
 
 
 def chunk(n: int, k: int, i: int) -> int:
@@ -111,14 +114,9 @@ def stage_specs(cfg: LlamaConfig, lay: Layout, stage: int) -> list[ParamSpec]:
     """The parameters of pipeline stage ``stage`` (0 .. N-1), unsharded shapes and rules."""
     runs = stage_layers(cfg.n_layers, lay.num_stages)
     specs = []
-    if stage == 0:
-        specs.append(ParamSpec("tok_embeddings.weight", (cfg.vocab_size, cfg.dim), 0 if lay.tp > 1 else None))
     for i in runs[stage]:
         specs += _layer_specs(cfg, lay, i)
-    if stage == lay.num_stages - 1:
-        specs.append(ParamSpec("norm.weight", (cfg.dim,)))
-        specs.append(ParamSpec("output.weight", (cfg.vocab_size, cfg.dim), 0 if lay.tp > 1 else None))
-    return specs
+    return specs + stage_specs_ends(cfg, lay, stage)
 
 
 def _tp_ep_shape(spec: ParamSpec, lay: Layout, c: dict[str, int]) -> list[int]:
@@ -158,3 +156,79 @@ def rank_params(cfg: LlamaConfig, lay: Layout, rank: int) -> dict[str, int]:
         for spec in stage_specs(cfg, lay, stage):
             out[spec.name] = local_numel(spec, lay, c)
     return out
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """Totals of one stage on one rank (what the memory and time models need), computed from
+    one representative layer of each kind (all dense layers shard alike, all MoE layers too)."""
+
+    local: int  # elements held (sum of local_numel)
+    gathered: int  # elements after FSDP's all-gathers, over the specs FSDP gathers
+    block_max: int  # the largest block (or the embedding / output group) once gathered
+    fsdp_ag: int  # sum over gathered specs of local * (group size - 1): elements received per gather
+    fsdp_rs: int  # the same for the gradient reduce-scatter
+    dense_layers: int
+    moe_layers: int
+
+
+def _spec_numbers(specs, lay: Layout, c: dict[str, int]) -> tuple[int, int, int]:
+    local = gathered = ag = 0
+    for s in specs:
+        n = local_numel(s, lay, c)
+        local += n
+        k = fsdp_group_size(s, lay)
+        if k > 1:
+            gathered += unsharded_numel(s, lay, c)
+            ag += n * (k - 1)
+    return local, gathered, ag
+
+
+def fsdp_group_size(spec: ParamSpec, lay: Layout) -> int:
+    """Ranks FSDP shards ``spec`` over (1: not sharded by FSDP)."""
+    if lay.dp == 1 and spec.group == "dp":
+        return 1
+    return {"edp": lay.edp, "dp_tp": lay.dp * lay.tp}.get(spec.group, lay.dp_shard if lay.dp > 1 else 1)
+
+
+def stage_summary(cfg: LlamaConfig, lay: Layout, stage: int, c: dict[str, int], cache: dict | None = None):
+    """`StageSummary` of ``stage`` on the rank at ``c``. ``cache``: a dict reused across calls
+    for the same ``cfg`` and ``lay`` (the per-kind numbers do not depend on the stage)."""
+    cache = {} if cache is None else cache
+    key = (c["dp_replicate"], c["dp_shard_mod_ep"], c["ep"], c["tp"])  # the pp coordinate does not matter
+    if ("kinds",) not in cache:  # per stage: dense and MoE layer counts and a layer of each kind
+        kinds = []
+        for run in stage_layers(cfg.n_layers, lay.num_stages):
+            moe = [i for i in run if cfg.is_moe_layer(i)]
+            dense = [i for i in run if not cfg.is_moe_layer(i)]
+            kinds.append((("dense", len(dense), dense[:1]), ("moe", len(moe), moe[:1])))
+        cache[("kinds",)] = kinds
+    local = gathered = ag = block_max = 0
+    counts = {}
+    for kind, n, rep in cache[("kinds",)][stage]:
+        counts[kind] = n
+        if not n:
+            continue
+        if (kind, *key) not in cache:
+            cache[(kind, *key)] = _spec_numbers(_layer_specs(cfg, lay, rep[0]), lay, c)
+        lo, ga, a = cache[(kind, *key)]
+        local, gathered, ag = local + lo * n, gathered + ga * n, ag + a * n
+        block_max = max(block_max, ga)
+    ends = (stage == 0, stage == lay.num_stages - 1)
+    if ends != (False, False):
+        if ("ends", ends, *key) not in cache:
+            cache[("ends", ends, *key)] = _spec_numbers(stage_specs_ends(cfg, lay, stage), lay, c)
+        lo, ga, a = cache[("ends", ends, *key)]
+        local, gathered, ag, block_max = local + lo, gathered + ga, ag + a, max(block_max, ga)
+    return StageSummary(local, gathered, block_max, ag, ag, counts["dense"], counts["moe"])
+
+
+def stage_specs_ends(cfg: LlamaConfig, lay: Layout, stage: int) -> list[ParamSpec]:
+    """The parameters of ``stage`` outside its blocks (embedding; final norm and output)."""
+    specs = []
+    if stage == 0:
+        specs.append(ParamSpec("tok_embeddings.weight", (cfg.vocab_size, cfg.dim), 0 if lay.tp > 1 else None))
+    if stage == lay.num_stages - 1:
+        specs.append(ParamSpec("norm.weight", (cfg.dim,)))
+        specs.append(ParamSpec("output.weight", (cfg.vocab_size, cfg.dim), 0 if lay.tp > 1 else None))
+    return specs

@@ -20,7 +20,7 @@ from moe.parallel import parallelize_llama, pipeline_llama
 from moe.parallel.layout import LlamaMesh
 from moe.parallel.pipeline import stage_layers
 from moe.plan.layout import Layout
-from moe.plan.memory import param_bytes
+from moe.plan.memory import TrainShape, memory, param_bytes
 from moe.plan.shards import rank_params
 
 
@@ -66,6 +66,8 @@ def _check_rank(cfg: LlamaConfig, lay: Layout, rank: int, **options) -> None:
     want = rank_params(cfg, lay, rank)
     assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
     assert param_bytes(cfg, lay, rank) == 4 * sum(got.values())  # fp32 shards (the meta model's dtype)
+    shape = TrainShape(seq_len=2 * lay.tp, global_batch_tokens=2 * lay.tp * lay.dp * lay.pp)
+    assert memory(cfg, lay, shape, rank)["params"] == 4 * sum(got.values())  # the per-kind fast path too
 
 
 def _ranks(lay: Layout) -> list[int]:
