@@ -115,9 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         shape = TrainShape(seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens)
         if not args.search and args.layout is None:
             raise ValueError("give --layout or --search")
-        lay = parse_layout(args.layout, gpus=args.gpus) if args.layout is not None else None
     except ValueError as e:
         print(f"moe plan: {e}", file=sys.stderr)
+        return 2
+    try:
+        lay = parse_layout(args.layout, gpus=args.gpus) if args.layout is not None else None
+    except ValueError as e:  # not a layout at all: the fastest that fit stand in for the nearest
+        print(f"moe plan: --layout {args.layout!r}: {e}", file=sys.stderr)
+        fitting = [p for p in search(cfg, shape, gpu, args.gpus, args.gpus_per_node, args.precision) if p.fits]
+        print("layouts that fit:\n" + _table(fitting[:3]) if fitting else "no layout fits", file=sys.stderr)
         return 2
     status = 0
     plans = None
