@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -207,22 +206,16 @@ def _shard_sum(module: nn.Module, mesh, divide_by: int, **kw) -> None:
     """FSDP over ``mesh`` whose reduction sums, then divides by ``divide_by`` (not the mesh size)."""
     fully_shard(module, mesh=mesh, **kw)
     module.set_gradient_divide_factor(float(divide_by))
-    module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    if mesh.size() > 1:  # a plain SUM then a division: gloo has no PREMUL_SUM
+        # (not on one rank: there torch 2.13 would divide twice, once in its copy, once after)
+        module.set_force_sum_reduction_for_comms(True)
 
 
-def _shard_experts(experts: nn.Module, lm: LlamaMesh, **kw) -> set:
-    """Fully shard expert weights over the ranks holding the same experts (``edp``); their
-    gradient sums the whole ep group's tokens, so it is divided by Dp. Returns the weights left
-    outside FSDP: where no other rank holds them (FSDP2 divides twice by a custom factor on a
-    group of one), a hook divides their gradient instead."""
-    params = [p for p in experts.parameters() if p.requires_grad]
-    if lm.size("edp") > 1:
-        _shard_sum(experts, lm.world["edp"], lm.dp_size, **kw)
-        return set()
-    if lm.dp_size > 1:
-        for p in params:
-            p.register_hook(functools.partial(torch.div, other=float(lm.dp_size)))
-    return set(params)
+def _shard_experts(experts: nn.Module, lm: LlamaMesh, **kw) -> None:
+    """Fully shard expert weights over the ranks holding the same experts (``edp``, possibly
+    one rank: FSDP2 then only casts for mixed precision and divides). Their gradient sums the
+    whole ep group's tokens, so it is divided by Dp."""
+    _shard_sum(experts, lm.world["edp"], lm.dp_size, **kw)
 
 
 def parallelize_llama(
@@ -271,6 +264,8 @@ def parallelize_llama(
     mine = {"config": repr(model.config), "layers": sorted(model.layers.keys()), "options": options}
     check_agreement("parallelize_llama", mine, lm.world["dp_tp"].get_group())  # the ranks of this stage
     _check(model, lm, etp, loss_parallel)
+    if mp_policy is not None and lm.dp_size == 1:
+        raise ValueError("mp_policy is applied by FSDP2, which needs data-parallel ranks; the mesh has dp=1")
     world, tp = lm.world, lm.tp
     if tp > 1:
         for block in model.layers.values():
@@ -294,19 +289,18 @@ def parallelize_llama(
         if compile:
             _compile_block(block, {"fullgraph": True} if compile is True else dict(compile))
     kw = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
-    kept = set()  # expert weights no other rank holds: outside FSDP
     for block in model.layers.values():
         ff = block.feed_forward
         if isinstance(ff, MoE) and ff.parallel is not None:
-            kept |= _shard_experts(ff.experts, lm, **kw)
+            _shard_experts(ff.experts, lm, **kw)
         if isinstance(ff, MoE) and etp:
             for part in (ff.router, ff.shared):
                 if part is not None and any(p.requires_grad for p in part.parameters()):
                     _shard_sum(part, world["dp_tp"], lm.dp_size, **kw)
         if lm.dp_size > 1:
-            fully_shard(block, mesh=world["dp_replicate", "dp_shard"], ignored_params=kept or None, **kw)
+            fully_shard(block, mesh=world["dp_replicate", "dp_shard"], **kw)
     if lm.dp_size > 1:
-        fully_shard(model, mesh=world["dp_replicate", "dp_shard"], ignored_params=kept or None, **kw)
+        fully_shard(model, mesh=world["dp_replicate", "dp_shard"], **kw)
     model.parallel_layout = LlamaParallel(mesh=lm, etp=etp, loss_parallel=loss_parallel)
     return model
 
@@ -329,7 +323,7 @@ def llama_loss(model: nn.Module, logits_BSV: Tensor, targets_BS: Tensor) -> Tens
     averages the gradients): equal token counts per rank make it the global token mean."""
     flat, labels = logits_BSV.flatten(0, 1), targets_BS.flatten()
     if isinstance(logits_BSV, DTensor):  # loss_parallel: vocabulary-sharded logits
-        with loss_parallel():
+        with loss_context(model):  # entered already when the caller runs the backward in it
             ce = F.cross_entropy(flat, labels)
         ce = ce.full_tensor() if isinstance(ce, DTensor) else ce
     else:
@@ -337,9 +331,22 @@ def llama_loss(model: nn.Module, logits_BSV: Tensor, targets_BS: Tensor) -> Tens
     return ce + router_loss(model)
 
 
+_loss_parallel_depth = 0  # loss_context() blocks entered: loss_parallel() must not be nested (its exit disarms it)
+
+
+@contextlib.contextmanager
 def loss_context(model: nn.Module):
     """The context the loss and its backward must run in: `loss_parallel` when the model was
     laid out with ``loss_parallel=True`` (its vocabulary-sharded cross entropy needs it in the
     backward too), else a no-op."""
+    global _loss_parallel_depth
     layout = getattr(model, "parallel_layout", None)
-    return loss_parallel() if layout is not None and layout.loss_parallel else contextlib.nullcontext()
+    if layout is None or not layout.loss_parallel or _loss_parallel_depth:
+        yield
+        return
+    _loss_parallel_depth += 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _loss_parallel_depth -= 1

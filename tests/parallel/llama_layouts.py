@@ -111,7 +111,7 @@ def check_losses(what: str, losses: list[float], expect: list[float]) -> None:
 
 def run_parallel(cfg: LlamaConfig, mesh, what: str, **options) -> None:
     """STEPS steps of the model laid out by parallelize_llama equal the one-process reference."""
-    from moe.parallel import LlamaMesh, llama_loss, parallelize_llama
+    from moe.parallel import LlamaMesh, llama_loss, loss_context, parallelize_llama
 
     lm = mesh if isinstance(mesh, LlamaMesh) else LlamaMesh.build(mesh, ep=options.pop("ep", 1))
     model = parallelize_llama(build(cfg), lm, **options)
@@ -119,8 +119,9 @@ def run_parallel(cfg: LlamaConfig, mesh, what: str, **options) -> None:
     losses = []
     for step in range(STEPS):
         tokens, targets = (lm.local_batch(t) for t in data(cfg, step))
-        loss = llama_loss(model, model(tokens), targets)
-        loss.backward()
+        with loss_context(model):  # loss_parallel: its backward too
+            loss = llama_loss(model, model(tokens), targets)
+            loss.backward()
         if step == 0:
             check_grads(what, model, cached_reference(cfg, lm.dp_size)[1])
         opt.step()

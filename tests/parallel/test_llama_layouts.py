@@ -23,6 +23,9 @@ def _mesh(shape, names):
 
 def two_rank_layouts(rank, world, store):
     init(rank, world, store)
+    cfg = L.config("topk")
+    L.run_parallel(cfg, _mesh((2,), ("tp",)), "tp=2 loss_parallel", loss_parallel=True)
+    L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 checkpointed", ep=2, activation_checkpoint=True)
     for router in ROUTERS:
         cfg = L.config(router)
         L.run_parallel(cfg, _mesh((2,), ("dp_replicate",)), f"dp_replicate=2 {router}")
@@ -30,13 +33,36 @@ def two_rank_layouts(rank, world, store):
         L.run_parallel(cfg, _mesh((2,), ("tp",)), f"tp=2+SP {router}")
         L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), f"ep=2 {router}", ep=2)
         L.run_parallel(cfg, _mesh((2,), ("tp",)), f"tp=2 etp {router}", etp=True)
-    cfg = L.config("topk")
-    L.run_parallel(cfg, _mesh((2,), ("tp",)), "tp=2 loss_parallel", loss_parallel=True)
-    L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 checkpointed", ep=2, activation_checkpoint=True)
 
 
 def test_two_rank_layouts():
     spawn(two_rank_layouts, 2)
+
+
+def mixed_precision(rank, world, store):
+    """bf16 compute through FSDP2's MixedPrecisionPolicy: the sharded parameters, their
+    gradients and AdamW's state stay fp32, and the first loss is the fp32 one to bf16 accuracy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moe.parallel import LlamaMesh, llama_loss, parallelize_llama
+
+    init(rank, world, store)
+    cfg = L.config("topk")
+    lm = LlamaMesh.build(_mesh((2,), ("dp_shard",)), ep=2)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize_llama(L.build(cfg), lm, ep=2, mp_policy=mp)
+    tokens, targets = (lm.local_batch(t) for t in L.data(cfg, 0))
+    logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    loss = llama_loss(model, logits, targets)
+    loss.backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    expect = L.cached_reference(cfg, lm.dp_size)[0][0]
+    torch.testing.assert_close(lm.mean_over_dp(loss).item(), expect, rtol=2e-2, atol=0)
+
+
+def test_mixed_precision():
+    spawn(mixed_precision, 2)
 
 
 def pipeline_layouts(rank, world, store, schedules):
@@ -101,7 +127,13 @@ def bad_layouts(rank, world, store):
     _raises("n_kv_heads=1", parallelize_llama, L.build(L.config("topk", n_kv_heads=1)), tp)
     _raises("ep=2 must divide dp_shard=1", parallelize_llama, L.build(cfg), tp, ep=2)
     _raises("ep=2 must divide num_experts=3", parallelize_llama, L.build(L.config("topk", num_experts=3)), shard, ep=2)
-    _raises("fewer than the 2 pipeline stages", pipeline_llama, L.build(L.config("topk", n_layers=1)), _mesh((2,), ("pp",)), microbatches=2)
+    _raises(
+        "fewer than the 2 pipeline stages",
+        pipeline_llama,
+        L.build(L.config("topk", n_layers=1)),
+        _mesh((2,), ("pp",)),
+        microbatches=2,
+    )
     _raises("ranks disagree", parallelize_llama, L.build(L.config("topk", vocab_size=64 + rank)), shard)
     model = parallelize_llama(L.build(cfg), tp)
     tokens, targets = L.data(cfg, 0)
@@ -148,7 +180,7 @@ def compiled_and_checkpointed(rank, world, store):
     for options in (dict(compile={"backend": "aot_eager", "fullgraph": True}), dict(activation_checkpoint=True)):
         model = parallelize_llama(L.build(cfg), mesh, **options)
         calls = []
-        model.layers["0"].attention.register_forward_hook(lambda *_: calls.append(1))
+        model.layers["0"].attention.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         loss = llama_loss(model, model(tokens), targets)
         loss.backward()
         expect = {n: p.grad for n, p in eager.named_parameters()}
