@@ -127,11 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     status = 0
     plans = None
-    if args.search or lay is not None:
+    if args.search:
         plans = search(cfg, shape, gpu, args.gpus, args.gpus_per_node, args.precision, args.micro_batch)
-    fitting = [p for p in plans if p.fits]
     if lay is not None:
         plan = evaluate(cfg, lay, shape, gpu, args.gpus, args.gpus_per_node)
+        if not plan.fits and plans is None:  # the search only when the nearest fitting layouts are needed
+            plans = search(cfg, shape, gpu, args.gpus, args.gpus_per_node, lay.precision, lay.micro_batch)
         near = [] if plan.fits else nearest(lay, plans)
         if args.json:
             print(json.dumps(plan.to_json(cfg, gpu) | {"nearest_fitting": [p.layout.short() for p in near]}, indent=1))
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             status = 2
         shown = [plan] if plan.memory is not None else []
     if args.search:
+        fitting = [p for p in plans if p.fits]
         if args.json:
             print(json.dumps([p.to_json(cfg, gpu) for p in plans], indent=1))
         else:

@@ -135,7 +135,7 @@ def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: d
     block_max = max(x.block_max for x in sums)
     out = dict.fromkeys(COMPONENTS, 0)
     out["params"], out["grads"], out["optimizer"] = _PARAM_BYTES * local, _GRAD_BYTES * local, _OPT_BYTES * local
-    if lay.dp > 1 or gathered:
+    if gathered:
         if lay.pp > 1:
             out["fsdp_buffers"] = gathered * (a + _GRAD_BYTES)
         elif not lay.reshard:  # every block stays gathered from its forward to its backward

@@ -66,6 +66,11 @@ def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int) ->
         raise ValueError(f"etp: tp={lay.tp} does not divide the expert hidden_dim={cfg.moe.hidden_dim}")
     if lay.num_stages > cfg.n_layers:
         raise ValueError(f"pp * vpp = {lay.num_stages} stages exceed the model's {cfg.n_layers} layers")
+    if lay.dp == 1 and lay.precision != "fp32":
+        raise ValueError(
+            f"precision={lay.precision} is FSDP2's mixed precision, which needs data-parallel ranks "
+            f"(parallelize_llama rejects mp_policy at dp=1); use precision=fp32 or dp_shard > 1"
+        )
     m = shape.microbatches(lay)  # raises if the batch does not split
     if lay.schedule == "interleaved_1f1b" and m % lay.pp:
         raise ValueError(f"interleaved_1f1b needs the {m} micro-batches divisible by pp={lay.pp}")

@@ -17,7 +17,7 @@ The rules, in the order they are applied:
 4. FSDP2 chunks dim 0 of each (already local) tensor over its group with torch.chunk's rule:
    chunk c = ceil(n / k), rank i holds max(0, min(c, n - i c)) rows, so trailing ranks may
    hold fewer or none. Groups: the expert weights of a parallelised MoE layer over ``edp``
-   (index r * Shm + m; left whole when edp = 1), the router and shared experts under etp over
+   (index r * Shm + m; a group of one when edp = 1), the router and shared experts under etp over
    ``dp_tp`` (index ((r * Shm + m) * Ep + e) * Tp + t), everything else over
    (dp_replicate, dp_shard) HSDP: index m * Ep + e of Sh (replicated over R). No FSDP when Dp = 1.
 Every DTensor shard follows torch.chunk's rule too.
@@ -178,7 +178,7 @@ def _spec_numbers(specs, lay: Layout, c: dict[str, int]) -> tuple[int, int, int]
         n = local_numel(s, lay, c)
         local += n
         k = fsdp_group_size(s, lay)
-        if k > 1:
+        if k > 1 or lay.dp > 1:  # under FSDP (even over one rank) a gathered compute-dtype copy exists
             gathered += unsharded_numel(s, lay, c)
             ag += n * (k - 1)
     return local, gathered, ag

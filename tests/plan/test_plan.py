@@ -202,3 +202,32 @@ def test_evaluate_matches_cli_search_order():
     b = evaluate(cfg, Layout(tp=2, dp_shard=4, recompute=True), shape, GPUS["h100"], 8)
     assert a.fits and b.fits and a.time.step_s < b.time.step_s  # recompute costs a forward
     assert b.memory["activations"] < a.memory["activations"]
+
+
+def test_mixed_precision_needs_data_parallel_ranks():
+    """parallelize_llama applies bf16 through FSDP2 and rejects mp_policy at dp=1."""
+    cfg = LlamaConfig.from_name("tiny")
+    shape = TrainShape(seq_len=16, global_batch_tokens=16 * 8)
+    with pytest.raises(ValueError, match="needs data-parallel ranks"):
+        check_layout(cfg, Layout(tp=2, pp=2), shape, 4)
+    check_layout(cfg, Layout(tp=2, pp=2, precision="fp32"), shape, 4)
+
+
+def test_cli_model_from_json_file(capsys, tmp_path):
+    path = tmp_path / "model.json"
+    fields = dict(dim=512, n_layers=4, n_heads=8, vocab_size=1000, ffn_hidden_dim=1408)
+    fields["moe"] = dict(dim=512, hidden_dim=704, num_experts=4, top_k=2)
+    path.write_text(json.dumps(fields))
+    status, out, _ = _run(
+        capsys, "--model", str(path), "--gpus", "8", "--seq-len", "512", "--global-batch-tokens", "8192",
+        "--layout", "ep=4,dp_shard=8", "--json",
+    )  # fmt: skip
+    obj = json.loads(out)
+    assert (
+        status == 0
+        and obj["total_params"]
+        == LlamaConfig(**fields | {"moe": None}).num_params() + 4 * (3 * 512 * 704 * 4 + 4 * 512) - 4 * 3 * 512 * 1408
+    )
+    status, _, err = _run(capsys, "--model", "nope", "--gpus", "8", "--seq-len", "8", "--global-batch-tokens", "8",
+                          "--search")  # fmt: skip
+    assert status == 2 and "neither a preset" in err
