@@ -61,7 +61,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def _describe(plan, cfg, gpu, args) -> str:
+def _describe(plan, gpu) -> str:
     lines = [f"layout {plan.layout.short()}: {'fits' if plan.fits else 'DOES NOT FIT: ' + str(plan.reason)}"]
     if plan.memory is None:
         return "\n".join(lines)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(plan.to_json(cfg, gpu) | {"nearest_fitting": [p.layout.short() for p in near]}, indent=1))
         else:
             print(_header(cfg, gpu, args))
-            print(_describe(plan, cfg, gpu, args))
+            print(_describe(plan, gpu))
         if not plan.fits:
             print(f"moe plan: layout {lay.short()} does not fit: {plan.reason}", file=sys.stderr)
             if near:

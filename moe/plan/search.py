@@ -3,7 +3,6 @@ fit (`search`), ranked by estimated tokens/s per GPU."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -153,7 +152,3 @@ def nearest(lay: Layout, plans: list[Plan], k: int = 3) -> list[Plan]:
     """The ``k`` fitting plans closest to ``lay`` (log-distance over the sizes, 0.5 per flag)."""
     fitting = [p for p in plans if p.fits and p.layout != lay]
     return sorted(fitting, key=lambda p: (_distance(lay, p.layout), -p.time.tokens_per_s_per_gpu))[:k]
-
-
-def replace(lay: Layout, **kw) -> Layout:
-    return dataclasses.replace(lay, **kw)

@@ -20,7 +20,7 @@ when its group lies in one node, else at the network's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .hardware import EFFICIENCY, GPU, Efficiency
@@ -50,7 +50,6 @@ class StepTime:
     tokens_per_s_per_gpu: float = 0.0
     tflops_per_gpu: float = 0.0
     mfu: float = 0.0  # model FLOPs against the bf16 dense peak
-    notes: list[str] = field(default_factory=list)
 
 
 def _layer_flops(cfg: LlamaConfig, lay: Layout, i: int, T: int, S: int) -> tuple[float, float, float]:
