@@ -1,0 +1,185 @@
+"""Bytes per rank by component for a `Layout` (docs/scale.md, "Memory").
+
+Legend: T tokens of one micro-batch (micro_batch * S), S sequence, D model dim, F dense width,
+Fe expert width, K experts per token, V vocabulary, a bytes of an activation element
+(2 under bf16 and fp8, 4 under fp32), M micro-batches per step, P pipeline ranks, Tp tensor ranks.
+
+Assumptions (stated once, the same for every layout):
+- Parameters: the FSDP2 shards are fp32 (the master weights under mixed precision: FSDP2
+  all-gathers them in bf16 for compute); gradients are sharded fp32 (fp32 reduce dtype);
+  AdamW keeps fp32 m and v: 4 + 4 + 8 = 16 bytes per local element.
+- FSDP buffers: without pipelining, two blocks gathered in compute dtype (the one running and
+  the one prefetched) and one block's unsharded gradient in fp32. Under pipelining,
+  torch.distributed.pipelining keeps gradients unsharded (no sync) and parameters unsharded
+  after backward until the last micro-batch: the stage's whole unsharded parameters (compute
+  dtype) and gradients (fp32) are counted. With ``reshard=False`` (no reshard after forward)
+  every block stays gathered between its forward and backward.
+- Activations: the tensors an ideal block keeps for backward: norm inputs (sequence shard),
+  the gathered inputs of the column-parallel projections (DTensor keeps them whole), q, k, v
+  and the attention output (flash attention: no S x S matrix), and in the MLPs both
+  projections, the activation and its product (4 F-wide tensors per token); an MoE layer keeps
+  its K routed copies of each token on input and output and 4 Fe-wide tensors per copy, its
+  routing assumed balanced (dropless) or capped by the capacity factor. Without etp the MoE
+  layer runs the whole sequence on every tp rank. With recompute a block keeps only its input
+  and one block's activations are live again in backward. Live micro-batches by schedule:
+  GPipe M, 1F1B min(M, P - p) on pipeline rank p, interleaved 1F1B (V - 1) P + 2 (P - 1 - p) + 1
+  virtual-stage chunks (torch.distributed.pipelining's warm-up), one micro-batch without pipelining.
+- Logits: the last stage keeps T x V (V / Tp under loss_parallel) logits in compute dtype plus
+  an fp32 copy and its fp32 gradient, for one micro-batch.
+- MoE dispatch: under ep > 1, the send and receive buffers of one layer's all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.llama import LlamaConfig
+from .layout import Layout
+from .shards import local_numel, stage_specs, stage_summary
+
+__all__ = ["COMPONENTS", "USABLE_FRACTION", "TrainShape", "memory", "param_bytes", "peak_memory"]
+
+COMPONENTS = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "logits", "moe_dispatch")
+USABLE_FRACTION = 0.9  # of HBM: the rest for the CUDA context, NCCL buffers, allocator fragmentation
+_PARAM_BYTES, _GRAD_BYTES, _OPT_BYTES = 4, 4, 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainShape:
+    seq_len: int  # S
+    global_batch_tokens: int  # tokens per optimizer step, all data-parallel ranks together
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.global_batch_tokens % self.seq_len:
+            raise ValueError(
+                f"global_batch_tokens={self.global_batch_tokens} must be a multiple of seq_len={self.seq_len}"
+            )
+
+    def microbatches(self, lay: Layout) -> int:
+        """M: micro-batches per data-parallel rank and step; raises if the batch does not split."""
+        seqs = self.global_batch_tokens // self.seq_len
+        per_mb = lay.dp * lay.micro_batch
+        if seqs % per_mb:
+            raise ValueError(
+                f"the global batch of {seqs} sequences does not split into micro-batches of "
+                f"{lay.micro_batch} over dp={lay.dp} ranks"
+            )
+        return seqs // per_mb
+
+
+def _act_bytes(lay: Layout) -> int:
+    return 4 if lay.precision == "fp32" else 2
+
+
+def layer_activation_elems(cfg: LlamaConfig, lay: Layout, i: int, tokens: int) -> int:
+    """Elements layer ``i`` keeps for backward for one micro-batch of ``tokens`` (per tp rank)."""
+    D, t = cfg.dim, lay.tp
+    dkv = cfg.n_kv_heads * cfg.head_dim
+    attn = tokens * (D // t + D + (D + 2 * dkv) // t + D // t)
+    if not cfg.is_moe_layer(i):
+        return attn + tokens * (D // t + D + 4 * cfg.ffn_hidden_dim // t)
+    m = cfg.moe
+    rows = _routed_rows(cfg, tokens)
+    fe = m.hidden_dim // t if lay.etp else m.hidden_dim
+    shared = m.num_shared_experts * (m.shared_hidden_dim or m.hidden_dim)
+    return attn + tokens * (D // t + D + 4 * shared) + rows * (2 * D + 4 * fe)
+
+
+def _routed_rows(cfg: LlamaConfig, tokens: int) -> int:
+    """Expert rows of one MoE layer on one rank: K copies of each token it routes (balanced),
+    times the capacity factor when one caps the experts."""
+    m = cfg.moe
+    rows = tokens * m.top_k
+    return int(rows * m.capacity_factor) if m.capacity_factor else rows
+
+
+def live_chunks(lay: Layout, p: int, m: int) -> int:
+    """Micro-batch x stage chunks whose activations pipeline rank ``p`` holds at its peak."""
+    P, V = lay.pp, lay.vpp
+    if P == 1:
+        return 1
+    if lay.schedule == "gpipe":
+        return m
+    if lay.schedule == "1f1b":
+        return min(m, P - p)
+    return min(m * V, (V - 1) * P + 2 * (P - 1 - p) + 1)
+
+
+def param_bytes(cfg: LlamaConfig, lay: Layout, rank: int) -> int:
+    """Bytes of the fp32 parameter shards the global ``rank`` holds."""
+    c = lay.coords(rank)
+    total = 0
+    for stage in range(c["pp"], lay.num_stages, lay.pp):
+        total += sum(local_numel(s, lay, c) for s in stage_specs(cfg, lay, stage))
+    return _PARAM_BYTES * total
+
+
+def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: dict | None = None) -> dict[str, int]:
+    """{component: bytes} on the global ``rank`` (`COMPONENTS`), plus "total". ``cache``: see
+    `stage_summary`."""
+    cache = {} if cache is None else cache
+    c = lay.coords(rank)
+    p, M = c["pp"], shape.microbatches(lay)
+    tokens = lay.micro_batch * shape.seq_len
+    if lay.tp > 1 and shape.seq_len % lay.tp:
+        raise ValueError(f"seq_len={shape.seq_len} must be divisible by tp={lay.tp} (sequence parallelism)")
+    a = _act_bytes(lay)
+    stages = list(range(p, lay.num_stages, lay.pp))
+    sums = [stage_summary(cfg, lay, s, c, cache) for s in stages]
+    local = sum(x.local for x in sums)
+    gathered = sum(x.gathered for x in sums)
+    block_max = max(x.block_max for x in sums)
+    out = dict.fromkeys(COMPONENTS, 0)
+    out["params"], out["grads"], out["optimizer"] = _PARAM_BYTES * local, _GRAD_BYTES * local, _OPT_BYTES * local
+    if gathered:
+        if lay.pp > 1:
+            out["fsdp_buffers"] = gathered * (a + _GRAD_BYTES)
+        elif not lay.reshard:  # every block stays gathered from its forward to its backward
+            out["fsdp_buffers"] = gathered * a + block_max * _GRAD_BYTES
+        else:
+            out["fsdp_buffers"] = block_max * (2 * a + _GRAD_BYTES)
+    if ("act",) not in cache:
+        cache[("act",)] = {kind: layer_activation_elems(cfg, lay, i, tokens) for kind, i in _kinds(cfg)}
+    act = cache[("act",)]
+    per_stage = [x.dense_layers * act.get("dense", 0) + x.moe_layers * act.get("moe", 0) for x in sums]
+    chunks = live_chunks(lay, p, M)
+    if lay.recompute:
+        kept = sum(tokens * cfg.dim // lay.tp * (x.dense_layers + x.moe_layers) for x in sums) / len(stages)
+        worst = max(act[kind] for kind in ("dense", "moe") if any(getattr(x, f"{kind}_layers") for x in sums))
+        out["activations"] = int(a * (chunks * kept + worst))
+    else:
+        out["activations"] = int(a * chunks * sum(per_stage) / len(stages))
+    if lay.num_stages - 1 in stages:
+        vocab = -(-cfg.vocab_size // lay.tp) if lay.loss_parallel else cfg.vocab_size
+        out["logits"] = tokens * vocab * (a + 4 + 4)
+    if lay.ep > 1 and any(x.moe_layers for x in sums):
+        out["moe_dispatch"] = 2 * _routed_rows(cfg, tokens) * cfg.dim * a
+    out["total"] = sum(out[k] for k in COMPONENTS)
+    return out
+
+
+def _kinds(cfg: LlamaConfig) -> list[tuple[str, int]]:
+    """A representative layer index of each kind present: ("dense", i), ("moe", j)."""
+    out = {}
+    for i in range(cfg.n_layers):
+        out.setdefault("moe" if cfg.is_moe_layer(i) else "dense", i)
+    return list(out.items())
+
+
+def peak_memory(
+    cfg: LlamaConfig, lay: Layout, shape: TrainShape, cache: dict | None = None
+) -> tuple[int, dict[str, int]]:
+    """The rank that needs the most memory and its components. Within a pipeline rank, the
+    rank at coordinate 0 of every other dimension holds the largest piece of every shard
+    (torch.chunk's first piece is the longest), so only those P ranks are compared."""
+    best, cache = None, {} if cache is None else cache
+    for p in range(lay.pp):
+        rank = lay.rank(pp=p)
+        mem = memory(cfg, lay, shape, rank, cache)
+        if best is None or mem["total"] > best[1]["total"]:
+            best = (rank, mem)
+    return best

@@ -1,0 +1,168 @@
+"""FLOPs, communication bytes and step time of a `Layout` (docs/scale.md, "Time").
+
+Legend: T tokens of one micro-batch, S sequence, D model dim, Dq = H * Dh, Dkv = G * Dh,
+F dense width, Fe expert width, Fs shared width, E experts, K top-k, V vocabulary,
+M micro-batches, P pipeline ranks, Vs stages per pipeline rank, Tp tensor ranks, a activation bytes.
+
+Overlap assumptions (the same for every layout):
+- Compute: GEMMs at `Efficiency.gemm` of the bf16 peak (fp8: `Efficiency.gemm_fp8` of the fp8
+  peak; quantisation and scaling keep fp8 GEMMs further from their peak), attention at
+  `Efficiency.attention` of the bf16 peak, elementwise traffic at `Efficiency.hbm` of HBM
+  bandwidth; one after the other.
+- TP / SP collectives and the EP all-to-alls are on the critical path (not overlapped), as in
+  `parallelize_llama` (DTensor redistributes and the dispatcher wait on their results).
+- FSDP all-gathers / reduce-scatters, the HSDP all-reduce and the pipeline's send/recv
+  (asynchronous in torch.distributed.pipelining) overlap with compute; only what exceeds the
+  step's compute is exposed. The bubble adds (P - 1) / (Vs M) of the busy time.
+A collective over n ranks moves (n - 1) / n of its buffer per rank, at the NVLink bandwidth
+when its group lies in one node, else at the network's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.llama import LlamaConfig
+from .hardware import EFFICIENCY, GPU, Efficiency
+from .layout import Layout
+from .memory import TrainShape, _kinds, _routed_rows
+from .shards import stage_summary
+
+__all__ = ["StepTime", "model_flops_per_token", "step_time"]
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """The usual "model FLOPs" (Megatron / NeMo MFU convention): 6 x active parameters +
+    12 L S Dq for attention (counted without the causal half), per token of a training step."""
+    return 6 * cfg.num_active_params() + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    compute_s: float  # per step on the busiest pipeline rank, no bubble
+    bubble_s: float
+    exposed_s: dict[str, float]  # communication on the critical path, by kind
+    overlapped_s: dict[str, float]  # FSDP / DP communication time (hidden up to compute_s)
+    bytes_per_rank: dict[str, float]  # per step, by collective
+    executed_flops: float  # per step on the busiest rank
+    model_flops: float  # per step, whole cluster
+    tokens_per_s_per_gpu: float = 0.0
+    tflops_per_gpu: float = 0.0
+    mfu: float = 0.0  # model FLOPs against the bf16 dense peak
+
+
+def _layer_flops(cfg: LlamaConfig, lay: Layout, i: int, T: int, S: int) -> tuple[float, float, float]:
+    """(GEMM FLOPs, attention FLOPs, elementwise bytes) of layer ``i`` for one micro-batch on
+    one rank, forward + backward (+ the forward again under recompute)."""
+    D, t, a = cfg.dim, lay.tp, (4 if lay.precision == "fp32" else 2)
+    dq, dkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    passes = 4 if lay.recompute else 3  # backward = 2 forwards
+    gemm = 2 * T * (D * (dq + 2 * dkv) + dq * D) / t
+    attn = 4 * T * S * dq / t * 0.5  # QK^T and AV, causal: half the pairs
+    elem = T * 15 * D * a
+    if not cfg.is_moe_layer(i):
+        gemm += 2 * T * 3 * D * cfg.ffn_hidden_dim / t
+        elem += T * 3 * cfg.ffn_hidden_dim / t * a
+    else:
+        m = cfg.moe
+        rows = _routed_rows(cfg, T)  # without etp every tp rank runs the whole micro-batch
+        div = t if lay.etp else 1
+        mats = 3 if m.activation == "swiglu" else 2
+        fs = m.num_shared_experts * (m.shared_hidden_dim or m.hidden_dim)
+        gemm += 2 * T * D * m.num_experts + 2 * rows * mats * D * m.hidden_dim / div + 2 * T * mats * D * fs / div
+        elem += (rows * (3 * m.hidden_dim / div + 4 * D) + T * 3 * fs / div) * a
+    return gemm * passes, attn * passes, elem * passes
+
+
+def _group_bw(gpu: GPU, eff: Efficiency, span: int, gpn: int) -> float:
+    """Bandwidth of a collective whose group spans ``span`` consecutive ranks."""
+    return gpu.nvlink_bw * eff.nvlink if span <= gpn else gpu.net_bw * eff.net
+
+
+def step_time(
+    cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpu: GPU, *, gpus_per_node: int = 8,
+    eff: Efficiency = EFFICIENCY, cache: dict | None = None,
+) -> StepTime:  # fmt: skip
+    """The step-time estimate of ``lay`` (one optimizer step of ``shape.global_batch_tokens``)."""
+    M, S = shape.microbatches(lay), shape.seq_len
+    T = lay.micro_batch * S
+    a = 4 if lay.precision == "fp32" else 2
+    peak = gpu.fp8_flops * eff.gemm_fp8 if lay.precision == "fp8" else gpu.bf16_flops * eff.gemm
+    peak = peak / 2 if lay.precision == "fp32" else peak  # TF32-class GEMMs
+    gpn = gpus_per_node
+    D = cfg.dim
+
+    flops = {kind: _layer_flops(cfg, lay, i, T, S) for kind, i in _kinds(cfg)}
+    n_coll = 12 if lay.recompute else 8  # AG + RS before/after attention and MLP, forward + backward
+    tp_layer = n_coll * (lay.tp - 1) / lay.tp * T * D * a if lay.tp > 1 else 0.0
+    ep_in_layer = ep_out_layer = 0.0
+    if cfg.moe is not None and lay.ep > 1:
+        n_a2a = 6 if lay.recompute else 4  # dispatch + combine, forward and backward
+        buf = n_a2a * _routed_rows(cfg, T) * D * a
+        local = min(lay.ep, max(1, gpn // lay.tp))  # ep peers in my node (they are tp ranks apart)
+        ep_in_layer, ep_out_layer = buf * (local - 1) / lay.ep, buf * (lay.ep - local) / lay.ep
+
+    # per micro-batch time of each pipeline rank (all its virtual stages); the slowest sets the pace
+    c = lay.coords(0)
+    per_rank, summaries = [], {}
+    for p in range(lay.pp):
+        stages = range(p, lay.num_stages, lay.pp)
+        gemm = attn = elem = tp_bytes = ep_in = ep_out = 0.0
+        for s in stages:
+            sm = summaries[s] = stage_summary(cfg, lay, s, c, cache)
+            for kind, n in (("dense", sm.dense_layers), ("moe", sm.moe_layers)):
+                if n:
+                    g, at, el = flops[kind]
+                    gemm, attn, elem = gemm + n * g, attn + n * at, elem + n * el
+                    tp_bytes += n * tp_layer
+            ep_in, ep_out = ep_in + sm.moe_layers * ep_in_layer, ep_out + sm.moe_layers * ep_out_layer
+            if s == lay.num_stages - 1:
+                gemm += 3 * 2 * T * D * cfg.vocab_size / lay.tp
+        compute = gemm / peak + attn / (gpu.bf16_flops * eff.attention) + elem / (gpu.hbm_bw * eff.hbm)
+        tp_s = tp_bytes / _group_bw(gpu, eff, lay.tp, gpn)
+        ep_s = max(ep_in / (gpu.nvlink_bw * eff.nvlink), ep_out / (gpu.net_bw * eff.net))
+        per_rank.append((compute + tp_s + ep_s, compute, tp_s, ep_s, gemm + attn, tp_bytes, ep_in, ep_out))
+    slow = max(per_rank, key=lambda r: r[0])
+    mb_s, compute_mb, tp_mb, ep_mb, flops_mb, tp_b, ep_in, ep_out = slow
+    busy = M * mb_s
+    bubble = (lay.pp - 1) / (lay.vpp * M) * busy if lay.pp > 1 else 0.0
+
+    # pipeline send / recv: activations (T / Tp, D) forward, their gradient backward, per stage edge
+    pp_bytes = 2 * M * lay.vpp * T * D / lay.tp * a if lay.pp > 1 else 0.0
+    pp_s = pp_bytes / _group_bw(gpu, eff, lay.world, gpn)  # stages are dp * tp ranks apart: between nodes
+
+    # FSDP traffic of the busiest rank (coordinate 0 holds the largest shards), pipeline rank 0
+    mine = [summaries[s] for s in range(0, lay.num_stages, lay.pp)]
+    local = sum(x.local for x in mine)
+    # reshard after forward: gathered again for backward (pipelining keeps them after backward,
+    # memory.py); without it, once a step
+    gathers = 1 if not lay.reshard else (M + 1) if lay.pp > 1 else 2 * M
+    fsdp_ag = gathers * sum(x.fsdp_ag for x in mine) * a
+    fsdp_rs = sum(x.fsdp_rs for x in mine) * 4
+    dp_ar = 2 * (lay.dp_replicate - 1) / lay.dp_replicate * local * 4 if lay.dp_replicate > 1 else 0.0
+    shard_span = lay.dp_shard * lay.tp
+    fsdp_s = (fsdp_ag + fsdp_rs) / _group_bw(gpu, eff, shard_span, gpn)
+    dp_s = dp_ar / _group_bw(gpu, eff, lay.world // lay.pp, gpn)
+    optimizer_s = 28 * local / (gpu.hbm_bw * eff.hbm)  # AdamW reads p, g, m, v and writes p, m, v in fp32
+    compute_s = M * compute_mb
+    hidden = max(0.0, fsdp_s + dp_s + pp_s - compute_s)
+    step = busy + bubble + hidden + optimizer_s
+    cache = {} if cache is None else cache
+    if ("model_flops", S) not in cache:
+        cache[("model_flops", S)] = model_flops_per_token(cfg, S)
+    mf = cache[("model_flops", S)] * shape.global_batch_tokens
+    out = StepTime(
+        step_s=step, compute_s=compute_s, bubble_s=bubble,
+        exposed_s={"tp": M * tp_mb, "ep_all_to_all": M * ep_mb, "fsdp_dp_pp_excess": hidden,
+                   "optimizer": optimizer_s},
+        overlapped_s={"fsdp": fsdp_s, "dp_all_reduce": dp_s, "pp_send_recv": pp_s},
+        bytes_per_rank={"tp_all_gather_reduce_scatter": M * tp_b, "ep_all_to_all_intra_node": M * ep_in,
+                        "ep_all_to_all_inter_node": M * ep_out, "pp_send_recv": pp_bytes,
+                        "fsdp_all_gather": fsdp_ag, "fsdp_reduce_scatter": fsdp_rs, "dp_all_reduce": dp_ar},
+        executed_flops=M * flops_mb, model_flops=mf,
+    )  # fmt: skip
+    out.tokens_per_s_per_gpu = shape.global_batch_tokens / step / lay.world
+    out.tflops_per_gpu = mf / step / lay.world / 1e12
+    out.mfu = mf / step / lay.world / gpu.bf16_flops
+    return out
