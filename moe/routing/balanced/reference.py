@@ -1,0 +1,31 @@
+"""`balanced_assignment_ref`: the slow, exact reference solver the tests compare to."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..exchange import cancel_cycles
+from .capacities import _round_robin
+from .inputs import _check, _check_options, _normalise
+
+
+def balanced_assignment_ref(scores_TE: Tensor, k: int = 1, *, eps: float = 1e-9) -> Tensor:
+    """Reference solver: a round-robin balanced start, then exchange cycles over all tokens
+    until none gains more than ``eps`` (relative to the largest per-token score range) per move.
+
+    Exactly optimal up to that resolution; slow (one search per step), for tests and small
+    inputs. Raises RuntimeError if it has not converged after 10 * T * K + 100 cycles.
+    """
+    _check(scores_TE, k)
+    _check_options(0, None, eps)
+    num_tokens, num_experts = scores_TE.shape
+    out = _round_robin(num_tokens, num_experts, k, scores_TE.device)
+    if num_tokens == 0:
+        return out
+    with torch.no_grad():
+        s = _normalise(scores_TE.double(), jitter=0.0)  # the round robin is balanced by the same rule
+        delta = max(eps, 8 * torch.finfo(s.dtype).eps)
+        if not cancel_cycles(s, out, max_cycles=10 * num_tokens * k + 100, delta=delta):
+            raise RuntimeError("balanced_assignment_ref did not converge")
+    return out
