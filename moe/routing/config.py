@@ -41,6 +41,10 @@ class RouterConfig:
     # "exact": balanced_assignment (optimal, reads back its exchange cycles); "approx":
     # balanced_assignment_approx (exact balance, near-optimal, no host sync)
     base_solver: Literal["exact", "approx"] = "exact"
+    # which experts take the extra tokens when T * top_k % E > 0: "best" (chosen with the
+    # assignment, for the best total) or "lowest" (experts 0 .. r-1: loads known from T alone,
+    # which moe.parallel.parallelize_moe(static_splits=True) needs)
+    base_extras: Literal["best", "lowest"] = "best"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -86,4 +90,8 @@ class RouterConfig:
         need(
             self.base_solver in ("exact", "approx"),
             f"base_solver must be 'exact' or 'approx', got {self.base_solver!r}",
+        )
+        need(
+            self.base_extras in ("best", "lowest"),
+            f"base_extras must be 'best' or 'lowest', got {self.base_extras!r}",
         )

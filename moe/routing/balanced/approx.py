@@ -11,7 +11,7 @@ from torch import Tensor
 from ..common import drop_by_score
 from ..exchange import held_mask
 from .buffers import _Work
-from .capacities import _loads, _round_robin, expert_capacities
+from .capacities import _Capacities, _check_extras, _loads, _round_robin
 from .inputs import _normalise_nosync, _nothing_to_solve
 from .pick import _select
 from .prices import _jacobi_prices
@@ -19,19 +19,24 @@ from .prices import _jacobi_prices
 _APPROX_WIDTHS = (1.0, 1.0, 0.25, 0.1, 0.05, 0.03)  # price-update windows of the sync-free solver
 
 
-def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int = 12, eps: float = 1e-6) -> Tensor:
+def balanced_assignment_approx(
+    scores_TE: Tensor, k: int = 1, *, max_iters: int = 12, eps: float = 1e-6, extras: str = "best"
+) -> Tensor:
     """`balanced_assignment` without a single host sync: exact balance, near-optimal.
 
-    The same loads as `balanced_assignment` (``expert_capacities(T, E, k)``) and K distinct
-    experts per token, with every shape fixed by (T, E, K) and no value read back, so on CUDA the
-    host never waits for the device (what the expert-parallel static path needs:
-    docs/parallel.md). The price is optimality: the prices from ``max_iters`` damped Jacobi
+    The same balance as `balanced_assignment` and K distinct experts per token. ``extras``: as
+    there; under ``"best"`` the r experts with the highest final prices take the extra slots
+    (the dual's choice, not certified like the rest), under ``"lowest"`` the loads are
+    ``expert_capacities(T, E, k)``. Every shape is fixed by (T, E, K) and no value is read
+    back, so on CUDA the host never waits for the device (what the expert-parallel static path
+    needs: docs/parallel.md). The price is optimality: the prices from ``max_iters`` damped Jacobi
     updates give the pick, rounds of bids place the dropped slots with the best experts that
     still have room, and `_complete` places the rest. No exchange cycles, so no certificate: the
     gap to the optimum is measured in docs/benchmarks.md. NaN and Inf are not detected here
     (that needs a sync; the routers check their input): NaN counts as the lowest score, +-Inf
     as the largest finite ones, and the result is still a balanced assignment.
     """
+    _check_extras(extras)
     trivial = _nothing_to_solve(scores_TE, k, max_iters, None, eps, check_finite=False)
     if trivial is not None:
         return trivial
@@ -40,9 +45,10 @@ def balanced_assignment_approx(scores_TE: Tensor, k: int = 1, *, max_iters: int 
     with torch.no_grad():
         work = _Work(scores_TE)
         s = _normalise_nosync(scores_TE, jitter=eps / 2, work=work)
-        cap = expert_capacities(num_tokens, num_experts, k, device=device)
+        caps = _Capacities(num_tokens, num_experts, k, extras, device)
         # ever finer windows as the prices settle (measured: half the gap of width 1)
-        p = _jacobi_prices(s, cap, k, max_iters, None, work=work, widths=_APPROX_WIDTHS)[0]
+        p = _jacobi_prices(s, caps, k, max_iters, None, work=work, widths=_APPROX_WIDTHS)[0]
+        cap = caps.at(p)
         out, margin = _select(s, p, k, cap, work)
         out = _bids(work.shifted(s, p), out, cap, rounds=k + 2)
         return _complete(out, cap, margin)[0]

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..exchange import cancel_cycles
 from .buffers import _Work
-from .capacities import expert_capacities
+from .capacities import _Capacities, _check_extras
 from .inputs import _normalise, _nothing_to_solve
 from .pick import _fill, _select
 from .prices import _jacobi_prices, _prices
@@ -22,6 +22,7 @@ def balanced_assignment(
     max_iters: int = 6,
     eps: float = 1e-6,
     max_cycles: int | None = None,
+    extras: str = "best",
 ) -> Tensor:
     """Assign every token K distinct experts with exactly balanced loads, maximising the score.
 
@@ -35,13 +36,18 @@ def balanced_assignment(
             applied only when it gains more than ``eps * R`` per move, and ties are split by a
             deterministic jitter below ``eps * R / 2``. Finite and > 0.
         max_cycles: cap on the exchange cycles applied; None allows T * K + E.
+        extras: which experts take the extra slots when ``T*K % E = r > 0``. ``"best"``: the
+            r that give the best total, optimised together with the assignment. ``"lowest"``:
+            experts 0 .. r-1, loads known from (T, E, K) alone (`expert_capacities`; what the
+            expert-parallel static path needs).
 
     Returns:
-        expert_idx (T, K) int64. Expert e receives exactly ``expert_capacities(T, E, k)[e]``
-        tokens (loads differ by at most one; the extra tokens go to the lowest-index experts),
-        and no token holds an expert twice. When the certificate passes (always, unless the
-        cycle cap is reached, which raises a warning) the total score is within
-        ``2 * T * K * eps * R`` of the optimum.
+        expert_idx (T, K) int64. Every expert receives ``T*K // E`` tokens or one more, r of
+        them one more (under ``"lowest"`` exactly ``expert_capacities(T, E, k)[e]``), and no
+        token holds an expert twice. When the certificate passes (always, unless the cycle cap
+        is reached, which raises a warning) the total score is within ``(2 * T * K + E) * eps
+        * R`` of the optimum over all such loads (over the fixed loads under ``"lowest"``,
+        within ``2 * T * K * eps * R``).
 
     Algorithm (docs/routing.md): estimate the E dual prices; every token picks its K best experts
     under them, full experts keep their highest-margin tokens and the dropped slots go to the
@@ -56,6 +62,7 @@ def balanced_assignment(
     (E, C) and (E, E) arrays) and their slots back, and a few per certificate check (usually one check). A
     bounded number, whatever the input.
     """
+    _check_extras(extras)
     trivial = _nothing_to_solve(scores_TE, k, max_iters, max_cycles, eps, check_finite=True)
     if trivial is not None:
         return trivial
@@ -64,14 +71,16 @@ def balanced_assignment(
     with torch.inference_mode():  # cheaper per op than no_grad; the result is cloned out of it
         work = _Work(scores_TE, sync_ok=True)
         s = _normalise(scores_TE, jitter=eps / 2, work=work)
-        cap = expert_capacities(num_tokens, num_experts, k, device=device)
-        p, pairs = _prices(s, cap, k, max_iters, work)
-        picked = None if pairs is None else pairs.select(p)
+        caps = _Capacities(num_tokens, num_experts, k, extras, device)
+        p, pairs = _prices(s, caps, k, max_iters, work)
+        cap = caps.at(p)  # the loads the pick and the fill aim at; the cycles may still move extras
+        picked = None if pairs is None else pairs.select(p, cap)
         out, margin = _select(s, p, k, cap, work) if picked is None else picked
         for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
             if int((out < 0).sum()) <= max(num_tokens * k // 100, num_experts):
                 break
-            p = _jacobi_prices(s, cap, k, max(max_iters, 2), p, work=work)[0]
+            p = _jacobi_prices(s, caps, k, max(max_iters, 2), p, work=work)[0]
+            cap = caps.at(p)
             out, margin = _select(s, p, k, cap, work)
         # candidates for exchange cycles: tokens near a boundary under p, and those refilled
         near = (margin < 0.005) | (out < 0).any(dim=1)
@@ -81,7 +90,9 @@ def balanced_assignment(
         budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
         candidates = torch.nonzero(near).flatten()
-        if not cancel_cycles(s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin)):
+        if not cancel_cycles(
+            s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin), movable=caps.movable
+        ):
             warnings.warn(
                 f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
                 "optimality certificate passed; the assignment is balanced but may be suboptimal",

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..common import bincount, drop_by_score
 from ..exchange import keep_top_claims
 from .buffers import _Work
+from .capacities import _Capacities
 
 
 def _above(a_ET: Tensor, floor_T: Tensor) -> Tensor:
@@ -39,19 +40,37 @@ class _Pairs:
     size the table).
     """
 
-    def __init__(self, s_ET: Tensor, p0: Tensor, width: float, cap_E: Tensor, work: _Work) -> None:
+    def __init__(self, s_ET: Tensor, p0: Tensor, width: float, caps: _Capacities, work: _Work) -> None:
         a = work.shifted(s_ET, p0)
         flat = _above(a, a.amax(dim=0) - width)
         self.s_M = s_ET.view(-1).index_select(0, flat)  # a flat gather: 10 against 120 us for s[e, t]
         self.p0, self.width, self.num_experts = p0, width, s_ET.shape[0]
         self.empty = s_ET.new_full((s_ET.shape[1],), float("-inf"))
         layout = _pair_layout_host if flat.device.type == "cpu" else _pair_layout
-        self.e_M, self.t_M, self.cell_M, self.pick, size = layout(flat, s_ET.shape[1], cap_E)
-        self.table = s_ET.new_full((self.num_experts, size), float("-inf"))
-        self.cap_E = cap_E
-        self.idle = cap_E == 0  # experts that take no token: their price only rises
+        self.e_M, self.t_M, self.cell_M, self.pick, self.size = layout(flat, s_ET.shape[1], caps.upper)
+        self.table = s_ET.new_full((self.num_experts, self.size), float("-inf"))
+        self.caps, self.aimed = caps, None
+        self.idle = caps.upper == 0  # experts that take no token: their price only rises
         if s_ET.device.type == "cpu":  # `_quantiles` reads them in numpy there
             self.pick, self.idle = self.pick.numpy(), self.idle.numpy()
+
+    def _aim(self, p: Tensor) -> None:
+        """Aim `_quantiles` at the capacities under prices ``p`` (`_Capacities.at`) rather than
+        at those of the layout (``upper``): the table columns it reads, and which experts take
+        no token."""
+        if self.table.device.type == "cpu":  # numpy, as `_quantiles` reads them there: a few us
+            if self.aimed is None:  # the columns for b and for b + 1 tokens, made once
+                at = np.minimum(self.size - np.array([self.caps.base, self.caps.base + 1]), self.size - 1)
+                self.aimed = np.array([[at[0], at[0] - 1]]), np.array([[at[1], at[1] - 1]])
+            order = np.argsort(-p.numpy().ravel(), kind="stable")  # the r highest prices take one more
+            extra = np.zeros(order.size, dtype=bool)
+            extra[order[: self.caps.spare]] = True
+            self.pick = np.where(extra[:, None], *self.aimed[::-1])
+            self.idle = ~extra if self.caps.base == 0 else np.zeros_like(extra)
+            return
+        cap = self.caps.at(p)
+        at = (self.size - cap).clamp_(max=self.size - 1)
+        self.pick, self.idle = torch.stack([at, at - 1], dim=1), cap == 0
 
     def jacobi(self, p: Tensor, iters: int, omega: float = 0.7) -> Tensor:
         """The damped Jacobi updates of `_jacobi_prices` on the pairs, towards the capacities;
@@ -61,6 +80,8 @@ class _Pairs:
         its best counts as holding every tied expert (margin m1 - m3 for each): this only
         shapes the price estimate; `select` gives such a token margin 0."""
         for _ in range(iters):
+            if self.caps.movable:
+                self._aim(p)
             a_M, m1, gap_M = self._best(p)
             rest = gap_M.sign().add_(1).mul_(-4.0).add_(a_M)  # 4 below at the best: under the floor
             m2 = (m1 - self.width).scatter_reduce_(0, self.t_M, rest, reduce="amax")
@@ -89,7 +110,7 @@ class _Pairs:
         mid = rows.gather(1, self.pick).clamp_(min=-self.width).sum(dim=1).mul_(0.5)
         return torch.where(self.idle, self.width, mid.clamp_(max=self.width))
 
-    def select(self, p: Tensor) -> tuple[Tensor, Tensor] | None:
+    def select(self, p: Tensor, cap_E: Tensor) -> tuple[Tensor, Tensor] | None:
         """`_select` for K = 1 from the pairs, or None when the prices moved too far for them."""
         moved = p - self.p0
         spread = float(moved.max() - moved.min())
@@ -105,7 +126,7 @@ class _Pairs:
         # a pair left out was width below the best under p0; since then it may have gained the
         # spread of the price moves, so the margin is only known to be at least width - spread
         margin = (m1 - m2).clamp_(max=self.width - spread)
-        return _keep_best(idx, margin, self.cap_E)[:, None], margin
+        return _keep_best(idx, margin, cap_E)[:, None], margin
 
 
 def _pair_layout(flat_M: Tensor, num_tokens: int, cap_E: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..common import bincount
 from .buffers import _Work
+from .capacities import _Capacities
 from .pairs import _Pairs
 
 
@@ -87,7 +88,7 @@ _BINS_DENSE = 512  # histogram bins over the full margin range [-1, 1]
 
 def _jacobi_prices(
     s_ET: Tensor,
-    target_E: Tensor,
+    caps: _Capacities,
     k: int,
     iters: int,
     p: Tensor | None,
@@ -100,7 +101,8 @@ def _jacobi_prices(
     move of the last update (a scalar tensor).
 
     Each update moves every expert's price to the value at which exactly ``target[e]`` (int64)
-    tokens would pick it were the other prices fixed (the midpoint between two order statistics
+    tokens would pick it were the other prices fixed (``target = caps.at(p)``: under movable
+    extra slots the r experts priced highest so far aim at one token more) (the midpoint between two order statistics
     of the margins, from a per-expert histogram over [-width, width]: a narrower window is
     finer, and a larger move is clamped to it), damped by ``omega``. Update i uses
     ``widths[i]``, the last one for the rest. No host sync.
@@ -113,6 +115,7 @@ def _jacobi_prices(
     p = s_ET.new_zeros(num_experts, 1) if zero else p
     for i in range(iters):
         d = _margins(s_ET if zero and i == 0 else work.shifted(s_ET, p), k, work)
+        target_E = caps.at(None if zero and i == 0 else p)
         q = _row_quantiles(d, row_base, target_E, widths[min(i, len(widths) - 1)], _BINS_DENSE, work)
         step = omega * q
         p = p + step[:, None]
@@ -120,7 +123,7 @@ def _jacobi_prices(
     return p, last
 
 
-def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) -> tuple[Tensor, _Pairs | None]:
+def _prices(s_ET: Tensor, caps: _Capacities, k: int, max_iters: int, work: _Work) -> tuple[Tensor, _Pairs | None]:
     """Prices (E, 1) after ``max_iters`` damped Jacobi updates from zero, and for K = 1 the
     pairs near each token's best (None when not used).
 
@@ -133,11 +136,11 @@ def _prices(s_ET: Tensor, cap_E: Tensor, k: int, max_iters: int, work: _Work) ->
     cost more exchange cycles than they saved).
     """
     if k > 1 or max_iters <= 2:
-        return _jacobi_prices(s_ET, cap_E, k, max_iters, None, work=work)[0], None
-    p, last = _jacobi_prices(s_ET, cap_E, k, 1, None, work=work)
+        return _jacobi_prices(s_ET, caps, k, max_iters, None, work=work)[0], None
+    p, last = _jacobi_prices(s_ET, caps, k, 1, None, work=work)
     dense = 1
     if float(last) > 0.05:
-        p, last = _jacobi_prices(s_ET, cap_E, k, 1, p, work=work)
+        p, last = _jacobi_prices(s_ET, caps, k, 1, p, work=work)
         dense = 2
-    pairs = _Pairs(s_ET, p, float(last.clamp(0.02, 0.05)), cap_E, work)  # wide enough for the moves still to come
+    pairs = _Pairs(s_ET, p, float(last.clamp(0.02, 0.05)), caps, work)  # wide enough for the moves still to come
     return pairs.jacobi(p, max_iters - dense), pairs
