@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dists", nargs="+", default=list(DISTS))
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--extras", choices=("best", "lowest"), default="best", help="this checkout's rule")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                         s = scores_for(dist, t, e)
                         fns = {
                             "old": lambda s=s, k=k: old.balanced_assignment(s, k),
-                            "new": lambda s=s, k=k: balanced_assignment(s, k),
+                            "new": lambda s=s, k=k: balanced_assignment(s, k, extras=args.extras),
                         }
                         runs = turns(fns, args.repeats, clock)
                         med = {name: statistics.median(v) * 1e3 for name, v in runs.items()}

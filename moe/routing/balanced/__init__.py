@@ -2,9 +2,10 @@
 
 Legend: T tokens, E experts, K experts per token, M (token, expert) pairs kept near a boundary.
 
-Every token gets K distinct experts and expert e gets exactly ``cap[e]`` tokens, where
-``cap = expert_capacities(T, E, K)`` (the first ``T*K % E`` experts take one token more).
-Among such assignments we maximise the total score.
+Every token gets K distinct experts and every expert b = T*K // E tokens or one more, exactly
+r = T*K % E of them one more: with ``extras="best"`` (the default) whichever r give the best
+total, with ``"lowest"`` experts 0 .. r-1 (``expert_capacities(T, E, K)``). Among such
+assignments we maximise the total score.
 
 The optimum is described by E dual prices p: token t takes the K experts with the largest
 ``s[t, e] - p[e]``. The solver estimates those prices, lets every token pick under them,

@@ -73,11 +73,13 @@ class _Capacities:
     every expert takes b and the r experts with the highest prices one more (ties: the lowest
     index, so prices all 0 give the lowest rule). That is the dual of the optional slots
     (docs/routing.md): at the optimum the holder of the unused slots holds the E - r experts
-    with the lowest prices. No host sync.
+    with the lowest prices. No host sync, unless ``host`` (a CPU solve that may read its
+    values: the ranking then runs in numpy, a few microseconds against tens for torch's ops).
     """
 
-    def __init__(self, num_tokens: int, num_experts: int, k: int, extras: str, device) -> None:
+    def __init__(self, num_tokens: int, num_experts: int, k: int, extras: str, device, host: bool = False) -> None:
         _check_extras(extras)
+        self.host = host
         self.base, self.spare = divmod(num_tokens * k, num_experts)
         self.fixed = expert_capacities(num_tokens, num_experts, k, device=device)
         self.movable = extras == "best" and self.spare > 0
@@ -88,12 +90,13 @@ class _Capacities:
         """(E,) int64 capacities under prices ``p`` (None: before any price is known)."""
         if not self.movable or p is None:
             return self.fixed
+        if self.host:
+            return torch.from_numpy(self.at_host(p.numpy().ravel()))
         order = torch.sort(p.view(-1), descending=True, stable=True).indices
         return self.fixed.new_full(self.fixed.shape, self.base).index_fill_(0, order[: self.spare], self.base + 1)
 
     def at_host(self, p_E: np.ndarray) -> np.ndarray:
-        """`at` in numpy, for the solves that run their small steps on the host (CPU, with
-        syncs allowed): a few microseconds against tens for the torch ops."""
+        """`at` in numpy, from the prices on the host."""
         cap = np.full(p_E.shape[0], self.base, dtype=np.int64)
         cap[np.argsort(-p_E, kind="stable")[: self.spare]] += 1
         return cap

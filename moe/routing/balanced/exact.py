@@ -71,7 +71,7 @@ def balanced_assignment(
     with torch.inference_mode():  # cheaper per op than no_grad; the result is cloned out of it
         work = _Work(scores_TE, sync_ok=True)
         s = _normalise(scores_TE, jitter=eps / 2, work=work)
-        caps = _Capacities(num_tokens, num_experts, k, extras, device)
+        caps = _Capacities(num_tokens, num_experts, k, extras, device, host=device.type == "cpu")
         p, pairs = _prices(s, caps, k, max_iters, work)
         cap = caps.at(p)  # the loads the pick and the fill aim at; the cycles may still move extras
         picked = None if pairs is None else pairs.select(p, cap)
