@@ -95,7 +95,7 @@ def test_base_balances_in_training_and_routes_greedily_in_eval():
     layer = make("tiny-base")
     x = torch.randn(22, 32)
     layer(x)
-    assert torch.equal(layer.last_routing.counts, expert_capacities(22, 4, 1))
+    assert torch.equal(layer.last_routing.counts.sort(descending=True).values, expert_capacities(22, 4, 1))
     layer.eval()
     layer(x)
     logits = x @ layer.router.weight.detach().T

@@ -16,13 +16,12 @@ from torch import Tensor
 from torch import library as torch_library
 
 from . import workspace
+from .dtypes import MATMUL_DTYPES
 from .reference import grouped_mm_ref
 
 __all__ = ["BACKENDS", "grouped_mm", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "torch", "ref")
-# what torch._grouped_mm and the Triton kernels take (no fp64: neither has a kernel for it)
-MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check(x_MI: Tensor, w_EIN: Tensor, counts_E: Tensor, trans_w: bool, backend: str) -> None:

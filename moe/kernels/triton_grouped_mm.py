@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .grouped_mm import MATMUL_DTYPES
+from .dtypes import MATMUL_DTYPES
 
 __all__ = ["triton_available", "triton_forward", "triton_wgrad"]
 

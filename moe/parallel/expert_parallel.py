@@ -160,6 +160,7 @@ class ExpertParallel:
             and isinstance(router, BaseRouter)
             and router.training
             and router.assign in (balanced_assignment, balanced_assignment_approx)
+            and router.config.base_extras == "lowest"
         )
 
     def known_rows(self, layer: MoE, routing) -> int | None:
@@ -292,6 +293,12 @@ def parallelize_moe(
             )
         if global_base and cfg.router != "base":
             raise ValueError(f"global_base=True needs BASE routers; layer {name!r} has router={cfg.router!r}")
+        extras = getattr(layer.router.config, "base_extras", "lowest")
+        if static_splits and not global_base and isinstance(layer.router, BaseRouter) and extras != "lowest":
+            raise ValueError(
+                f"static_splits=True needs base_extras='lowest' in BASE layers (the loads sent must follow from "
+                f"the token count alone; router_options={{'base_extras': 'lowest'}}); layer {name!r} got {extras!r}"
+            )
     for _, layer in layers:
         for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
             if not name.startswith("experts."):

@@ -19,7 +19,8 @@ class BaseRouter(GatedRouter):
     """Routes by token-centroid affinity s = x @ centroids.T (fp32).
 
     Training: `balanced_assignment` on s, so every expert gets exactly its share of the tokens
-    (`balanced_assignment_approx` with ``base_solver="approx"``: the same balance, no host sync).
+    (`balanced_assignment_approx` with ``base_solver="approx"``: the same balance, no host sync);
+    ``base_extras`` says which experts take the extra tokens when T * K % E > 0.
     Eval (``module.eval()``): each token takes its K highest-affinity experts, as in the paper.
     The gate is sigmoid(s) at the chosen experts: the assignment itself has no gradient, the
     centroids learn through the gate. With K = 1 the layer's ``sigmoid_residual`` combine gives
@@ -28,7 +29,7 @@ class BaseRouter(GatedRouter):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        # the training assignment: (scores (T, E), k, max_iters=...) -> (T, K); replaced by
+        # the training assignment: (scores (T, E), k, extras=..., max_iters=...) -> (T, K); replaced by
         # moe.parallel.parallelize_moe(global_base=True) to balance over the expert-parallel group
         self.assign = balanced_assignment if config.base_solver == "exact" else balanced_assignment_approx
 
@@ -59,7 +60,9 @@ class BaseRouter(GatedRouter):
         logits_TE = self.logits(x_TD, host_check=self.host_syncs)  # (T, E) token-centroid affinities
         check_seq_len(cfg, seq_len, x_TD.shape[0])
         if self.training:
-            options = {} if cfg.base_max_iters is None else {"max_iters": cfg.base_max_iters}
+            options = {"extras": cfg.base_extras}
+            if cfg.base_max_iters is not None:
+                options["max_iters"] = cfg.base_max_iters
             idx_TK = self.assign(logits_TE.detach(), cfg.top_k, **options)
         else:
             idx_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices

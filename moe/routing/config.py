@@ -84,6 +84,10 @@ class RouterConfig:
     # "exact": balanced_assignment (optimal, reads back its exchange cycles); "approx":
     # balanced_assignment_approx (exact balance, near-optimal, no host sync)
     base_solver: Literal["exact", "approx"] = "exact"
+    # which experts take the extra tokens when T * top_k % E > 0: "best" (chosen with the
+    # assignment, for the best total) or "lowest" (experts 0 .. r-1: loads known from T alone,
+    # which moe.parallel.parallelize_moe(static_splits=True) needs)
+    base_extras: Literal["best", "lowest"] = "best"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -114,3 +118,4 @@ class RouterConfig:
         check_float("sinkhorn_temperature", self.sinkhorn_temperature, 0, strict=True)
         check_int("base_max_iters", self.base_max_iters, 0, none_ok=True)
         check_choice("base_solver", self.base_solver, ("exact", "approx"))
+        check_choice("base_extras", self.base_extras, ("best", "lowest"))

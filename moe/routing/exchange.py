@@ -10,6 +10,14 @@ feasible and improves it. A complete assignment with no positive cycle is optima
 optimality condition of the transportation problem (no negative cycle in the residual graph),
 docs/routing.md.
 
+Movable extra slots (``movable=True`` in `cancel_cycles`): when T * K = b * E + r with r > 0, any
+loads with r experts at b + 1 and the others at b are allowed. That is the fixed-load problem
+with one more token, the holder, that takes the E - r slots left unused: every expert has room
+for b + 1, the holder holds exactly the experts at b, and its score is 0 everywhere. A move of
+the holder, a -> c from an expert at b to one at b + 1, gains 0; a cycle through it carries real
+tokens along a path from c to a, so a ends at b + 1 and c at b. The holder belongs to every
+candidate set, so the certificate covers the choice of the r experts too.
+
 The search is sequential and touches only the candidates' (E, C) scores and the (E, E) graph,
 so it runs on the host in numpy: one copy of the candidates' scores and slots there, one copy of
 the slots back. The certificate (the tokens the final prices could fault, against them) runs
@@ -61,29 +69,66 @@ class _Graph:
     group, so a cycle recomputes only its tokens' rows of ``g`` and the edges out of the
     experts it touches (one small reduction each). Bellman-Ford reads the edges transposed and
     less ``delta``, as ``w_in``, kept alongside.
+
+    ``extra`` (E,) bool, for movable extra slots: the experts at b + 1, which the holder (module
+    docstring) does not hold. Its edges join ``w_in`` (not ``gain``, which stays the real tokens'
+    best); each group then has one position more, free (``slot`` -1, gains -inf), since a
+    group gains one slot when its expert goes from b to b + 1. Non-candidates never move, so
+    the candidates at an expert stay within one of their first count and one free position
+    suffices. None: loads fixed.
     """
 
-    def __init__(self, s_EC: np.ndarray, out_CK: np.ndarray, delta: float) -> None:
-        self.out, self.delta = out_CK, delta
+    def __init__(self, s_EC: np.ndarray, out_CK: np.ndarray, delta: float, extra: np.ndarray | None = None) -> None:
+        self.out, self.delta, self.extra = out_CK, delta, extra
         self.s_CE = np.ascontiguousarray(s_EC.T)
         num_experts, num_cand = s_EC.shape[0], out_CK.shape[0]
         flat = out_CK.ravel()  # slot i is slot i % K of candidate i // K
-        self.slot = np.argsort(flat, kind="stable")  # the slot at each position
-        self.pos = np.empty_like(self.slot)
-        self.pos[self.slot] = np.arange(self.slot.size)  # the position of each slot
         size = np.bincount(flat, minlength=num_experts)
-        self.end = np.cumsum(size)
-        self.begin = self.end - size
-        self.g = self._gains(np.arange(num_cand))[self.slot]
+        if extra is None:
+            self.slot = np.argsort(flat, kind="stable")  # the slot at each position
+            self.pos = np.empty_like(self.slot)
+            self.pos[self.slot] = np.arange(self.slot.size)  # the position of each slot
+            self.end = np.cumsum(size)
+            self.begin = self.end - size
+            self.g = self._gains(np.arange(num_cand))[self.slot]
+            group = flat[self.slot]
+        else:
+            self.end = np.cumsum(size + 1)
+            self.begin = self.end - size - 1
+            order = np.argsort(flat, kind="stable")
+            expert = flat[order]
+            at = self.begin[expert] + np.arange(order.size) - (np.cumsum(size) - size)[expert]
+            self.slot = np.full(int(self.end[-1]), -1, dtype=np.int64)
+            self.slot[at] = order
+            self.pos = np.empty_like(order)
+            self.pos[order] = at
+            gains = np.vstack([self._gains(np.arange(num_cand)), np.full((1, num_experts), -np.inf, s_EC.dtype)])
+            self.g = gains[self.slot]  # a free position (-1) reads the last row, all -inf
+            group = np.repeat(np.arange(num_experts), size + 1)
         # every edge at once: a scatter-max of each position's gains into its expert's row
         # (torch's scatter_reduce on the same memory: 5x faster than numpy's reduceat here)
         self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)  # gain[a, b]: a -> b
-        group = torch.from_numpy(flat[self.slot])[:, None].expand(-1, num_experts)
+        group = torch.from_numpy(group)[:, None].expand(-1, num_experts)
         torch.from_numpy(self.gain).scatter_reduce_(0, group, torch.from_numpy(self.g), reduce="amax")
-        self.w_in = np.ascontiguousarray(self.gain.T - delta)  # w_in[b, a] = gain[a, b] - delta
+        self._rebuild_w_in()
         self.through = np.empty_like(self.w_in)
         self.parent = np.empty(num_experts + 1, dtype=np.int64)
         self.rows = np.arange(num_experts)
+
+    def _rebuild_w_in(self) -> None:
+        """``w_in[b, a] = gain[a, b] - delta``, with the holder's edges (gain 0) where better."""
+        self.w_in = np.ascontiguousarray(self.gain.T - self.delta)
+        if self.extra is not None:  # w_in[c, a] for a at b, c at b + 1
+            holder = self.extra[:, None] & ~self.extra[None, :]
+            np.maximum(self.w_in, -self.delta, out=self.w_in, where=holder)
+
+    def _holder_moves(self, a: list[int], b: list[int]) -> np.ndarray:
+        """(N,) bool: which moves a[i] -> b[i] the holder makes (its edge, gain 0, beats every
+        real token's)."""
+        if self.extra is None:
+            return np.zeros(len(a), dtype=bool)
+        src, dst = np.asarray(a), np.asarray(b)
+        return ~self.extra[src] & self.extra[dst] & (self.gain[src, dst] < 0)
 
     def _gains(self, tokens: np.ndarray) -> np.ndarray:
         """(len(tokens) * K, E): the gain of moving each slot of these candidates (token-major)
@@ -112,7 +157,6 @@ class _Graph:
 
     def _apply(self, cycles: list[list[int]]) -> None:
         """Move one token along every edge of these node-disjoint cycles (each in move order)."""
-        k = self.out.shape[1]
         a = [v for cycle in cycles for v in cycle]
         b = [v for cycle in cycles for v in cycle[1:] + cycle[:1]]
         nxt, at = [], 0  # nxt[i]: the move out of b[i]
@@ -120,23 +164,69 @@ class _Graph:
             nxt.extend(range(at + 1, at + len(cycle)))
             nxt.append(at)
             at += len(cycle)
+        holder = self._holder_moves(a, b)
+        if holder.any():
+            self._apply_with_holder(a, b, nxt, holder)
+            return
         pos = self._movers(a, b)
         slot = self.slot[pos]
         self.out.ravel()[slot] = b
         new = pos[nxt]  # each slot takes the position the move out of its new expert frees
         self.slot[new] = slot
         self.pos[slot] = new
+        self._refresh(slot, b)
+
+    def _refresh(self, slot: np.ndarray, nodes: list[int]) -> None:
+        """After the slots ``slot`` moved along cycles through ``nodes``: their tokens' gains
+        and the edges out of every expert whose group changed."""
+        k = self.out.shape[1]
         if k == 1:
-            tokens, touched = slot, b
+            tokens, touched = slot, nodes
             self.g[self.pos[tokens]] = self._gains(tokens)
         else:
             tokens = np.bincount(slot // k, minlength=self.out.shape[0]).nonzero()[0]
-            touched = np.bincount(self.out[tokens].ravel(), minlength=self.gain.shape[0]).nonzero()[0].tolist()
+            held = np.bincount(self.out[tokens].ravel(), minlength=self.gain.shape[0])
+            held[nodes] += 1  # an expert the holder joined lost a slot that no token now holds
+            touched = held.nonzero()[0].tolist()
             self.g[self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]] = self._gains(tokens)
         for e in touched:
             row = np.maximum.reduce(self.g[self.begin[e] : self.end[e]], axis=0)
             self.gain[e] = row
             self.w_in[:, e] = row - self.delta
+            if self.extra is not None and not self.extra[e]:  # the holder's edges out of e
+                col = self.w_in[:, e]
+                np.maximum(col, -self.delta, out=col, where=self.extra)
+
+    def _apply_with_holder(self, a: list[int], b: list[int], nxt: list[int], holder: np.ndarray) -> None:
+        """`_apply` when the holder makes some of the moves (``holder``). Its move a -> c frees
+        no position at a, so the slot arriving at a takes a's free position; at c no slot
+        arrives, so the position of the slot leaving c becomes free."""
+        real = np.flatnonzero(~holder)
+        nxt = np.asarray(nxt)
+        prev = np.empty_like(nxt)
+        prev[nxt] = np.arange(nxt.size)  # prev[i]: the move into a[i]
+        pos = np.full(len(a), -1, dtype=np.int64)
+        pos[real] = self._movers([a[i] for i in real], [b[i] for i in real])
+        slot = self.slot[pos[real]]
+        new = pos[nxt[real]]
+        for j, i in enumerate(real.tolist()):
+            if holder[nxt[i]]:  # the holder leaves b[i]: the slot takes b[i]'s free position
+                lo, hi = self.begin[b[i]], self.end[b[i]]
+                new[j] = lo + np.flatnonzero(self.slot[lo:hi] < 0)[0]
+        freed = pos[real[holder[prev[real]]]]  # the slots leaving experts that the holder joins
+        self.slot[freed] = -1
+        self.g[freed] = -np.inf
+        self.out.ravel()[slot] = np.asarray(b)[real]
+        self.slot[new] = slot
+        self.pos[slot] = new
+        src, dst = np.asarray(a)[holder], np.asarray(b)[holder]
+        self.extra[src], self.extra[dst] = True, False  # a goes to b + 1, c to b
+        self._refresh(slot, list(a))  # the edges out of every node, the holder's included
+        for v in np.concatenate([src, dst]).tolist():  # the edges into the experts it left or joined
+            row = self.w_in[v]
+            np.subtract(self.gain[:, v], self.delta, out=row)
+            if self.extra[v]:
+                np.maximum(row, -self.delta, out=row, where=~self.extra)
 
     def cancel(self, max_cycles: int) -> tuple[bool, int, np.ndarray]:
         """Apply positive cycles until none is left (True) or ``max_cycles`` ran out with one
@@ -266,6 +356,7 @@ def cancel_cycles(
     candidates: Tensor | None = None,
     band: float = 0.005,
     basis: tuple[Tensor, Tensor] | None = None,
+    movable: bool = False,
 ) -> bool:
     """Improve a complete balanced assignment ``out`` by positive exchange cycles, in place
     (cycles keep every load, so the capacities are those of ``out``).
@@ -282,16 +373,26 @@ def cancel_cycles(
     holds its K best experts under ``prices``, ahead of the rest by at least ``margin[t]``. Under
     new prices such a token is still ahead unless its margin is below the spread of the price
     changes (the largest minus the smallest), so the first check reads only those tokens.
+
+    ``movable``: the extra slots may change experts (module docstring): the loads must then be b
+    or b + 1 with b = T * K // E, and the result is optimal among all such loads.
     """
     if bool((out_TK < 0).any()):
         raise ValueError("cancel_cycles needs a complete assignment (found slots of -1)")
-    num_tokens = s_ET.shape[1]
+    num_experts, num_tokens = s_ET.shape
+    base, spare = divmod(out_TK.numel(), num_experts)
+    movable = movable and spare > 0  # without spare slots the loads are fixed anyway
+    if movable:
+        loads = torch.bincount(out_TK.flatten(), minlength=num_experts)
+        if not bool(((loads == base) | (loads == base + 1)).all()):
+            raise ValueError(f"cancel_cycles(movable=True) needs loads of {base} or {base + 1}, got {loads.tolist()}")
     tok = torch.arange(num_tokens, device=s_ET.device) if candidates is None else candidates
     is_candidate = torch.zeros(num_tokens, dtype=torch.bool, device=s_ET.device).index_fill_(0, tok, True)
     band = max(band, 1e-3)
     applied = 0
     while True:
-        graph = _Graph(_host(s_ET.index_select(1, tok)), _host(out_TK.index_select(0, tok)), delta)
+        extra = _host(torch.bincount(out_TK.flatten(), minlength=num_experts) > base).copy() if movable else None
+        graph = _Graph(_host(s_ET.index_select(1, tok)), _host(out_TK.index_select(0, tok)), delta, extra)
         done, n, dist = graph.cancel(max_cycles - applied)
         applied += n
         out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)

@@ -16,6 +16,7 @@ from moe.routing import (
     release_work_buffers,
 )
 from moe.routing.balanced import (
+    _Capacities,
     _fill,
     _keep_best_device,
     _keep_best_host,
@@ -46,32 +47,61 @@ def make_scores(seed: int, t: int, e: int, kind: str, dtype: torch.dtype = torch
     return x.to(dtype)
 
 
-def optimum(scores: torch.Tensor, k: int) -> float:
-    """Exact optimum: Hungarian on the expanded matrix for k = 1, the (integral) LP otherwise."""
+def optimum(scores: torch.Tensor, k: int, extras: str = "best") -> float:
+    """Exact optimum: Hungarian on the expanded matrix for k = 1, the (integral) LP otherwise.
+
+    ``extras="lowest"``: loads ``expert_capacities``. ``"best"``: any loads of b = T*K // E or
+    b + 1, so r = T*K % E experts take b + 1. For k = 1 each expert has b mandatory slots (columns)
+    and one optional one, and E - r dummy rows, which score 0 on the optional slots and can take
+    nothing else, leave exactly E - r optional slots unused. For k > 1 the LP bounds each load
+    between b and b + 1 (the constraint matrix stays totally unimodular)."""
     t, e = scores.shape
+    base, spare = divmod(t * k, e)
     cap = expert_capacities(t, e, k).numpy()
     s = scores.double().numpy()
     scale = float(np.abs(s).max()) or 1.0  # the LP solver's tolerances are absolute
     s = s / scale
+    movable = extras == "best" and spare > 0
     if k == 1:
-        cols = np.repeat(np.arange(e), cap)
-        m = s[:, cols]
+        if movable:
+            cols = np.concatenate([np.repeat(np.arange(e), base), np.arange(e)])
+            dummy = np.full((e - spare, cols.size), -1e6)  # far below any real choice: never taken
+            dummy[:, base * e :] = 0.0
+            m = np.vstack([s[:, cols], dummy])
+        else:
+            m = s[:, np.repeat(np.arange(e), cap)]
         r, c = linear_sum_assignment(m, maximize=True)
         return float(m[r, c].sum()) * scale
     a_rows = np.kron(np.eye(t), np.ones((1, e)))  # each token: k experts
     a_cols = np.kron(np.ones((1, t)), np.eye(e))  # each expert: cap tokens
-    res = linprog(
-        -s.ravel(), A_eq=np.vstack([a_rows, a_cols]), b_eq=np.concatenate([np.full(t, k), cap]), bounds=(0, 1)
-    )
+    if movable:  # base <= load <= base + 1
+        res = linprog(
+            -s.ravel(),
+            A_ub=np.vstack([a_cols, -a_cols]),
+            b_ub=np.concatenate([np.full(e, base + 1), np.full(e, -base)]),
+            A_eq=a_rows,
+            b_eq=np.full(t, k),
+            bounds=(0, 1),
+        )
+    else:
+        res = linprog(
+            -s.ravel(), A_eq=np.vstack([a_rows, a_cols]), b_eq=np.concatenate([np.full(t, k), cap]), bounds=(0, 1)
+        )
     assert res.status == 0
     return float(-res.fun) * scale
 
 
-def check_feasible(idx: torch.Tensor, t: int, e: int, k: int) -> None:
+def check_feasible(idx: torch.Tensor, t: int, e: int, k: int, extras: str = "best") -> None:
+    """K distinct experts per token; loads `expert_capacities` (``"lowest"``) or, for
+    ``"best"``, b = T*K // E everywhere but r = T*K % E experts at b + 1."""
     assert idx.shape == (t, k) and idx.dtype == torch.int64
     assert ((idx >= 0) & (idx < e)).all()
     assert (idx.sort(dim=1).values.diff(dim=1) != 0).all(), "a token got the same expert twice"
-    assert torch.equal(torch.bincount(idx.flatten(), minlength=e), expert_capacities(t, e, k))
+    loads = torch.bincount(idx.flatten(), minlength=e)
+    if extras == "lowest":
+        assert torch.equal(loads, expert_capacities(t, e, k))
+    else:
+        assert torch.equal(loads.sort(descending=True).values, expert_capacities(t, e, k)), loads
 
 
 def greedy_with_capacity(scores: torch.Tensor) -> float:
@@ -104,40 +134,45 @@ def problems(draw):
 
 
 def tolerance(scores: torch.Tensor, k: int) -> float:
-    # stated bound: 2 * T * K * eps * R, eps = 1e-6 by default and R <= the whole score range
+    # stated bound: (2 * T * K + E) * eps * R, eps = 1e-6 by default and R <= the whole score
+    # range (2 * T * K * eps * R for fixed loads: the E is the holder of the unused extra slots)
     scores = scores.double()
     rng = float(scores.max() - scores.min()) if scores.numel() else 0.0
-    return 2 * scores.shape[0] * k * 1e-6 * rng + 1e-9 * (1 + float(scores.abs().sum()))
+    return (2 * scores.shape[0] * k + scores.shape[1]) * 1e-6 * rng + 1e-9 * (1 + float(scores.abs().sum()))
 
 
-@given(problems())
-def test_balanced_feasible_and_optimal(problem):
+@pytest.mark.parametrize("extras", ["best", "lowest"])
+@given(problem=problems())
+def test_balanced_feasible_and_optimal(extras, problem):
     scores, k = problem
     t, e = scores.shape
-    idx = balanced_assignment(scores, k)
-    check_feasible(idx, t, e, k)
-    opt = optimum(scores, k)
+    idx = balanced_assignment(scores, k, extras=extras)
+    check_feasible(idx, t, e, k, extras)
+    opt = optimum(scores, k, extras)
     got = float(assignment_score(scores, idx))
     assert abs(got - opt) <= tolerance(scores, k)
     if k == 1:
         assert got >= greedy_with_capacity(scores) - tolerance(scores, k)
 
 
-@given(problems())
-def test_reference_is_optimal(problem):
+@pytest.mark.parametrize("extras", ["best", "lowest"])
+@given(problem=problems())
+def test_reference_is_optimal(extras, problem):
     scores, k = problem
     t, e = scores.shape
-    idx = balanced_assignment_ref(scores, k)
-    check_feasible(idx, t, e, k)
-    assert abs(float(assignment_score(scores, idx)) - optimum(scores, k)) <= tolerance(scores, k)
+    idx = balanced_assignment_ref(scores, k, extras=extras)
+    check_feasible(idx, t, e, k, extras)
+    assert abs(float(assignment_score(scores, idx)) - optimum(scores, k, extras)) <= tolerance(scores, k)
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(1, 24), st.integers(1, 8), st.sampled_from(KINDS), st.floats(0.1, 100.0))
 @example(seed=382, t=21, e=8, kind="int", scale=1.0)  # K = 7 of 8: the fill's exchanges move complete tokens
 def test_objective_invariances(seed, t, e, kind, scale):
+    # under extras="best" a per-expert constant changes which experts the extra slots suit: the
+    # loads are fixed here so that the objective moves by exactly that constant times them
     scores = make_scores(seed, t, e, kind)
     k = 1 + seed % e
-    base = float(assignment_score(scores, balanced_assignment(scores, k)))
+    base = float(assignment_score(scores, balanced_assignment(scores, k, extras="lowest")))
     g = torch.Generator().manual_seed(seed + 1)
     tok_c = torch.randn(t, 1, generator=g, dtype=torch.float64) * 5
     exp_c = torch.randn(1, e, generator=g, dtype=torch.float64) * 5
@@ -149,7 +184,7 @@ def test_objective_invariances(seed, t, e, kind, scale):
         (scores[torch.randperm(t, generator=g)], base, 1.0),  # token permutation
     ]
     for moved, expected, factor in cases:
-        got = float(assignment_score(moved, balanced_assignment(moved, k)))
+        got = float(assignment_score(moved, balanced_assignment(moved, k, extras="lowest")))
         # both solves are within the stated bound of their optimum, each on its own input
         assert abs(got - expected) <= tolerance(moved, k) + factor * tolerance(scores, k)
 
@@ -172,6 +207,84 @@ def test_balanced_strict_argmax_is_kept(solver, seed, e, per_expert):
     scores = torch.rand(t, e, generator=g)
     scores[torch.arange(t), target] += 1.5  # strict argmax
     assert torch.equal(solver(scores, 1)[:, 0], target)
+
+
+def test_extra_slots_go_to_the_experts_that_score_best():
+    # T=5, E=8: five experts take one token each. Every token prefers one of experts 3..7; giving
+    # the slots to experts 0..4 (the fixed rule) forces three tokens onto experts they score 0.
+    scores = torch.zeros(5, 8)
+    scores[torch.arange(5), torch.arange(3, 8)] = 1.0
+    for solver in (balanced_assignment, balanced_assignment_ref, balanced_assignment_approx):
+        assert solver(scores)[:, 0].tolist() == [3, 4, 5, 6, 7], solver.__name__
+        lowest = solver(scores, extras="lowest")
+        check_feasible(lowest, 5, 8, 1, "lowest")
+        assert float(assignment_score(scores, lowest)) == 2.0  # tokens 0 and 1 keep experts 3 and 4
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(2, 9), st.sampled_from(KINDS))
+def test_best_extras_never_score_below_the_fixed_rule(seed, t, e, kind):
+    scores = make_scores(seed, t, e, kind)
+    k = 1 + seed % e
+    best = balanced_assignment(scores, k)
+    lowest = balanced_assignment(scores, k, extras="lowest")
+    check_feasible(best, t, e, k, "best")
+    check_feasible(lowest, t, e, k, "lowest")
+    gain = float(assignment_score(scores, best)) - float(assignment_score(scores, lowest))
+    assert gain >= -tolerance(scores, k)
+    if (t * k) % e == 0:  # nothing to choose: the same solve
+        assert torch.equal(best, lowest)
+
+
+@pytest.mark.parametrize("t, e, k", [(1000, 64, 1), (999, 16, 3), (4000, 64, 1)])
+def test_best_extras_match_the_optimum_with_optional_slots_at_scale(t, e, k):
+    g = torch.Generator().manual_seed(t + e)
+    scores = torch.randn(t, e, generator=g)
+    if k == 1:
+        scores[:, : e // 8] += 1.0  # some experts in demand: the extra slots matter
+    idx = balanced_assignment(scores, k)
+    check_feasible(idx, t, e, k)
+    assert float(assignment_score(scores, idx)) == pytest.approx(optimum(scores, k), rel=1e-6)
+
+
+def test_movable_cycles_need_loads_within_one_of_the_mean():
+    s_ET = torch.zeros(3, 4, dtype=torch.float64)
+    out = torch.tensor([[0], [0], [0], [1]])  # loads 3, 1, 0 of a mean of 4 / 3
+    with pytest.raises(ValueError, match="loads of 1 or 2"):
+        cancel_cycles(s_ET, out, max_cycles=10, delta=1e-9, movable=True)
+
+
+@pytest.mark.parametrize("solver", [balanced_assignment, balanced_assignment_approx, balanced_assignment_ref])
+def test_unknown_extras_rule_is_refused(solver):
+    with pytest.raises(ValueError, match="extras must be one of"):
+        solver(torch.randn(5, 3), 1, extras="first")
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((10.5, 4), "num_tokens must be an int, got 10.5"),
+        ((10, 4.0), "num_experts must be an int"),
+        ((10, 4, 1.0), "k must be an int"),
+        ((True, 4), "num_tokens must be an int, got True"),
+        ((10, 4, True), "k must be an int"),
+        ((10, 4, 5), r"k must be in \[1, num_experts=4\]"),
+        ((10, 4, 0), r"k must be in \[1, num_experts=4\]"),
+        ((-1, 4), "num_tokens must be >= 0"),
+        ((10, 0), "num_experts must be >= 1"),
+    ],
+)
+def test_capacities_refuse_what_no_assignment_has(args, match):
+    with pytest.raises(ValueError, match=match):
+        expert_capacities(*args)
+
+
+def test_capacities_never_exceed_the_tokens():
+    for t in range(0, 12):
+        for e in range(1, 7):
+            for k in range(1, e + 1):
+                cap = expert_capacities(t, e, k)
+                assert int(cap.sum()) == t * k and int(cap.max()) <= t
+    assert expert_capacities(np.int64(10), 4).tolist() == [3, 3, 2, 2]  # numpy ints are ints
 
 
 def test_fairseq_tie_example_is_optimal():
@@ -328,10 +441,10 @@ def test_pair_margins_stay_lower_bounds_after_the_prices_move():
     s = _normalise(scores, jitter=0.0)
     cap = expert_capacities(512, 16, 1)
     width = 0.05
-    pairs = _Pairs(s, s.new_zeros(16, 1), width, cap, work)
+    pairs = _Pairs(s, s.new_zeros(16, 1), width, _Capacities(512, 16, 1, "lowest", s.device), work)
     p = s.new_zeros(16, 1)
     p[::2] -= 0.9 * width  # every other expert's price falls
-    picked = pairs.select(p)
+    picked = pairs.select(p, cap)
     assert picked is not None
     idx, margin = picked
     top = (s - p).topk(2, dim=0).values
@@ -384,7 +497,8 @@ def test_pair_margin_is_zero_for_a_token_tied_at_its_best():
     s_TE = torch.tensor([[0.0, 0.0, -0.5], [0.0, -0.3, -0.4], [-0.2, 0.0, -0.6], [-0.5, -0.4, 0.0]])
     cap = expert_capacities(4, 3, 1)
     p = torch.zeros(3, 1)
-    picked = _Pairs(s_TE.T.contiguous(), p, 0.6, cap, _Work(s_TE, sync_ok=True)).select(p)
+    caps = _Capacities(4, 3, 1, "lowest", p.device)
+    picked = _Pairs(s_TE.T.contiguous(), p, 0.6, caps, _Work(s_TE, sync_ok=True)).select(p, cap)
     assert picked is not None
     idx, margin = picked
     assert idx[0, 0] == 0  # ties go to the lowest expert index

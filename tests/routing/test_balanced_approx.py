@@ -13,13 +13,15 @@ from ..host_reads import HostReads
 from .test_balanced import check_feasible, greedy_with_capacity, make_scores, problems
 
 
-@given(problems())
-def test_exactly_balanced_and_reads_nothing(problem):
+@pytest.mark.parametrize("extras", ["best", "lowest"])
+@given(problem=problems())
+def test_exactly_balanced_and_reads_nothing(extras, problem):
+    # under "best" the extra slots follow the prices: chosen on the device, no read either
     scores, k = problem
     with HostReads(scores) as seen:
-        idx = balanced_assignment_approx(scores, k)
+        idx = balanced_assignment_approx(scores, k, extras=extras)
     assert seen.reads == []
-    check_feasible(idx, *scores.shape, k)
+    check_feasible(idx, *scores.shape, k, extras)
 
 
 @pytest.mark.parametrize("kind, k", [("gauss", 1), ("one_expert", 1), ("gauss", 3), ("one_expert", 2)])
@@ -37,7 +39,7 @@ def test_completion_after_dropping_slots_keeps_every_complete_token(seed, t, e, 
     """Slots dropped from a balanced assignment: only the short tokens are placed again."""
     g = torch.Generator().manual_seed(seed)
     k = int(torch.randint(1, e + 1, (), generator=g))
-    full = balanced_assignment(torch.randn(t, e, generator=g) * torch.rand(e, generator=g) * 5, k)
+    full = balanced_assignment(torch.randn(t, e, generator=g) * torch.rand(e, generator=g) * 5, k, extras="lowest")
     part = torch.where(torch.rand(t, k, generator=g) < drop, -1, full)
     with HostReads(part) as seen:
         out, ok = _complete(part, expert_capacities(t, e, k), torch.rand(t, generator=g))

@@ -1,0 +1,102 @@
+"""`balanced_assignment`: the exact solver, prices then exchange cycles with a certificate."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from ..exchange import cancel_cycles
+from .buffers import _Work
+from .capacities import _Capacities, _check_extras
+from .inputs import _normalise, _nothing_to_solve
+from .pick import _fill, _select
+from .prices import _jacobi_prices, _prices
+
+
+def balanced_assignment(
+    scores_TE: Tensor,
+    k: int = 1,
+    *,
+    max_iters: int = 6,
+    eps: float = 1e-6,
+    max_cycles: int | None = None,
+    extras: str = "best",
+) -> Tensor:
+    """Assign every token K distinct experts with exactly balanced loads, maximising the score.
+
+    Args:
+        scores_TE: (T, E) finite floating scores (higher is better). Not differentiated.
+        k: experts per token, 1 <= k <= E.
+        max_iters: price iterations (damped Jacobi). Up to three more rounds of as many run
+            when the pick under the prices still drops over 1% of the slots and over E of
+            them (tie-heavy scores).
+        eps: resolution, relative to the largest per-token score range R: an exchange cycle is
+            applied only when it gains more than ``eps * R`` per move, and ties are split by a
+            deterministic jitter below ``eps * R / 2``. Finite and > 0.
+        max_cycles: cap on the exchange cycles applied; None allows T * K + E.
+        extras: which experts take the extra slots when ``T*K % E = r > 0``. ``"best"``: the
+            r that give the best total, optimised together with the assignment. ``"lowest"``:
+            experts 0 .. r-1, loads known from (T, E, K) alone (`expert_capacities`; what the
+            expert-parallel static path needs).
+
+    Returns:
+        expert_idx (T, K) int64. Every expert receives ``T*K // E`` tokens or one more, r of
+        them one more (under ``"lowest"`` exactly ``expert_capacities(T, E, k)[e]``), and no
+        token holds an expert twice. When the certificate passes (always, unless the cycle cap
+        is reached, which raises a warning) the total score is within ``(2 * T * K + E) * eps
+        * R`` of the optimum over all such loads (over the fixed loads under ``"lowest"``,
+        within ``2 * T * K * eps * R``).
+
+    Algorithm (docs/routing.md): estimate the E dual prices; every token picks its K best experts
+    under them, full experts keep their highest-margin tokens and the dropped slots go to the
+    best experts with room; then exchange cycles between experts remove every improvement, and
+    a check of every token the final prices could fault certifies the result. Every loop is
+    bounded, and the output is a deterministic function of the input.
+
+    Host syncs: none inside the price iterations; one for the normalisation, one or two to
+    decide how many full price updates to run, two to list the pairs near each token's best and
+    size their table, a few for the pick and the refill, a few copies of the candidates' scores
+    and slots to the host (the refill and the exchange-cycle search run there, in numpy, on
+    (E, C) and (E, E) arrays) and their slots back, and a few per certificate check (usually one check). A
+    bounded number, whatever the input.
+    """
+    _check_extras(extras)
+    trivial = _nothing_to_solve(scores_TE, k, max_iters, max_cycles, eps, check_finite=True)
+    if trivial is not None:
+        return trivial
+    num_tokens, num_experts = scores_TE.shape
+    device = scores_TE.device
+    with torch.inference_mode():  # cheaper per op than no_grad; the result is cloned out of it
+        work = _Work(scores_TE, sync_ok=True)
+        s = _normalise(scores_TE, jitter=eps / 2, work=work)
+        caps = _Capacities(num_tokens, num_experts, k, extras, device, host=device.type == "cpu")
+        p, pairs = _prices(s, caps, k, max_iters, work)
+        cap = caps.at(p)  # the loads the pick and the fill aim at; the cycles may still move extras
+        picked = None if pairs is None else pairs.select(p, cap)
+        out, margin = _select(s, p, k, cap, work) if picked is None else picked
+        for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
+            if int((out < 0).sum()) <= max(num_tokens * k // 100, num_experts):
+                break
+            p = _jacobi_prices(s, caps, k, max(max_iters, 2), p, work=work)[0]
+            cap = caps.at(p)
+            out, margin = _select(s, p, k, cap, work)
+        # candidates for exchange cycles: tokens near a boundary under p, and those refilled
+        near = (margin < 0.005) | (out < 0).any(dim=1)
+        swapped = _fill(s, out, cap, p)
+        if swapped:  # moved off their best experts by the fill's exchanges
+            near[swapped] = True
+        budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
+        delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
+        candidates = torch.nonzero(near).flatten()
+        if not cancel_cycles(
+            s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin), movable=caps.movable
+        ):
+            warnings.warn(
+                f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
+                "optimality certificate passed; the assignment is balanced but may be suboptimal",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return out.clone()  # a normal tensor: an inference tensor cannot be saved for backward
