@@ -224,7 +224,10 @@ def _export(args, p, argv) -> int:
         raise UsageError(f"{dest} exists and is not empty: choose another output folder")
     from .train.export import export_hf
 
-    kind = export_hf(run, dest)
+    try:
+        kind = export_hf(run, dest)
+    except ValueError as err:  # the model has no counterpart there: the message says why
+        raise UsageError(str(err)) from None
     print(f"wrote {kind} to {dest}")
     return 0
 
