@@ -64,10 +64,8 @@ def test_existing_run_folder_needs_resume_in_a_subprocess(tmp_path):
     (tmp_path / "run" / "config.json").write_text("{}")
     proc = moe("train", "--out", tmp_path / "run", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert (
-        proc.stderr.strip()
-        == f"moe train: error: --out {tmp_path / 'run'} exists: pass --resume to continue it, or choose another folder"
-    )
+    folder = tmp_path / "run"
+    assert proc.stderr.strip() == f"moe train: error: --out {folder} exists: pass --resume to continue it, or choose another folder"
 
 
 def test_bench_forwards_to_the_benchmark():
