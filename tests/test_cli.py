@@ -65,7 +65,8 @@ def test_existing_run_folder_needs_resume_in_a_subprocess(tmp_path):
     proc = moe("train", "--out", tmp_path / "run", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     folder = tmp_path / "run"
-    assert proc.stderr.strip() == f"moe train: error: --out {folder} exists: pass --resume to continue it, or choose another folder"
+    hint = "pass --resume to continue it, or choose another folder"
+    assert proc.stderr.strip() == f"moe train: error: --out {folder} exists: {hint}"
 
 
 def test_bench_forwards_to_the_benchmark():
