@@ -174,6 +174,8 @@ class Trainer:
         stop = _Stop()
         plot_every = cfg.plot_every or cfg.eval_every
         try:
+            if self.step == 0:  # the starting point of the validation curve
+                log.write({"step": 0, "val_loss": self.evaluate()})
             while self.step < last:
                 record = self.train_step()
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:

@@ -6,6 +6,7 @@ Every line of ``metrics.jsonl`` is one optimiser step::
      "tokens_per_s": 5400.0, "lr": 0.0003, "grad_norm": 0.9,
      "moe": {"1": {"max_load": 1.3, "cv": 0.2, "dropped": 0.0, "load": [0.3, 0.2, ...]}, ...}}
 
+The line of step 0 holds only ``val_loss``, the validation loss before training.
 ``moe`` has one entry per MoE layer (by layer index): max load / mean load, the coefficient of
 variation of the loads, the fraction of slots dropped, and each expert's share of the slots.
 """
@@ -82,7 +83,8 @@ def plot_run(run_dir) -> list[Path]:
         return []
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss (lm + aux)", lw=1)
+    train_rows = [r for r in rows if "loss" in r]
+    ax.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss (lm + aux)", lw=1)
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation loss", ms=3)
@@ -97,6 +99,7 @@ def plot_run(run_dir) -> list[Path]:
     written.append(run_dir / "loss.png")
 
     layers = sorted(rows[-1].get("moe", {}), key=lambda k: (len(k), k))
+    rows = train_rows
     if layers:
         fig, axes = plt.subplots(len(layers), 1, figsize=(7, 1.6 + 1.4 * len(layers)), squeeze=False)
         for ax, layer in zip(axes[:, 0], layers, strict=True):

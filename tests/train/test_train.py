@@ -35,25 +35,21 @@ def test_run_folder_and_exact_resume(tmp_path, data):
     assert sorted(p.name for p in (whole / "checkpoints").iterdir()) == ["latest", "step_000004", "step_000006"]
     assert (whole / "checkpoints" / "latest").read_text().strip() == "step_000006"
     rows = _metrics(whole)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    for r in rows:
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert set(rows[0]) == {"step", "val_loss"}  # before training
+    for r in rows[1:]:
         assert {"loss", "lm_loss", "aux_loss", "tokens_per_s", "lr", "grad_norm", "moe"} <= set(r)
         assert sorted(r["moe"]) == ["1", "3"]  # tiny: MoE in layers 1 and 3
         assert {"max_load", "cv", "dropped", "load"} <= set(r["moe"]["1"])
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"], rel=1e-6)
-    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 3, 6]
 
     # interrupted + resumed == uninterrupted, bit for bit in fp32 on CPU
     resumed = _metrics(split)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5, 6]
     for a, b in zip(rows, resumed, strict=True):
-        assert (a["loss"], a.get("val_loss"), a["grad_norm"], a["lr"]) == (
-            b["loss"],
-            b.get("val_loss"),
-            b["grad_norm"],
-            b["lr"],
-        ), a["step"]
-        assert a["moe"] == b["moe"]
+        a.pop("tokens_per_s", None), b.pop("tokens_per_s", None)  # all but the timing
+        assert a == b, a["step"]
 
 
 def test_sigint_checkpoints_and_resumes(tmp_path, data):
@@ -62,7 +58,7 @@ def test_sigint_checkpoints_and_resumes(tmp_path, data):
     proc = popen("train", *common, "--out", run)
     metrics = run / "metrics.jsonl"
     for _ in range(600):  # until a step has finished (no time is asserted)
-        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+        if metrics.exists() and metrics.read_text().count("\n") >= 3:
             break
         if proc.poll() is not None:
             break
@@ -73,12 +69,12 @@ def test_sigint_checkpoints_and_resumes(tmp_path, data):
     assert "SIGINT" in out and "resume with: moe train --out" in out
     steps = [r["step"] for r in _metrics(run)]
     k = steps[-1]
-    assert steps == list(range(1, k + 1)) and 2 <= k < 1000
+    assert steps == list(range(k + 1)) and 1 <= k < 1000
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{k:06d}"  # nothing lost
 
     moe("train", "--out", run, "--resume", "--stop-at", k + 2)
     moe("train", *common, "--out", ref, "--stop-at", k + 2)
-    assert [r["loss"] for r in _metrics(run)] == [r["loss"] for r in _metrics(ref)]
+    assert [r.get("loss") for r in _metrics(run)] == [r.get("loss") for r in _metrics(ref)]
 
 
 def test_resume_rules(tmp_path, data):
