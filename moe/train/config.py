@@ -34,13 +34,13 @@ class TrainConfig:
     # data
     data: str | None = None  # None: the Python standard library's source, byte-level
     tokenizer: str | None = None
-    batch: int = 16  # global batch, in sequences, the same for every layout
+    batch: int = 8  # global batch, in sequences, the same for every layout
     seq_len: int = 128
     val_fraction: float = 0.01
-    eval_every: int = 50
+    eval_every: int = 20
     eval_batches: int = 4
     # optimiser
-    steps: int = 200
+    steps: int = 120
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 20
