@@ -85,3 +85,20 @@ def test_resume_rules(tmp_path, data):
     again = moe("train", *TINY, "--data", data, "--out", run, check=False)
     assert again.returncode == 2 and "pass --resume" in again.stderr
     assert len(changed.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
+
+
+def test_tokenizer_json(tmp_path, data):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"])
+    tok.train([str(p) for p in sorted(data.iterdir())], trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    run = tmp_path / "run"
+    moe("train", *TINY, "--data", data, "--tokenizer", tmp_path / "tokenizer.json", "--steps", 2, "--out", run)
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model"]["vocab_size"] == tok.get_vocab_size() and cfg["tokenizer"].endswith("tokenizer.json")
+    assert len(_metrics(run)) == 3
+    text = moe("generate", "--run", run, "--prompt", "import", "--max-new-tokens", 4).stdout
+    assert text.startswith("import")
