@@ -157,8 +157,6 @@ def _check_train(args, p) -> None:
     experts = args.experts or (PRESETS[args.preset].moe.num_experts if PRESETS[args.preset].moe else 8)
     if experts % args.ep:
         raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
-    if args.router == "base" and args.top_k not in (None, 1):
-        pass  # BASE with K > 1 combines by weights; allowed
     if world > 1:
         raise UsageError(f"layouts of more than one process are not available yet (world size {world}); use --nproc 1")
     args.dp_shard = dp_shard

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 __all__ = ["latest_checkpoint", "load_checkpoint", "load_model_weights", "save_checkpoint"]
 
 _PREFIX = "step_"
+
+# one process without a process group is a supported case of DCP, not something to warn about
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
 def _rank() -> int:

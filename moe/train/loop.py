@@ -13,7 +13,6 @@ import math
 import signal
 import sys
 import time
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,8 +27,6 @@ from .data import load_corpus, load_tokenizer
 from .metrics import MetricsLog, moe_layer_stats, plot_run
 
 __all__ = ["Trainer", "lr_lambda", "train"]
-
-warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
 def lr_lambda(cfg: TrainConfig):
