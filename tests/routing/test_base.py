@@ -68,7 +68,7 @@ def test_extra_tokens_follow_the_config(solver):
     x += router.weight.detach()[3] * 20  # every token leans towards expert 3
     assert router(x).counts.tolist() == [10, 9, 9, 9]
     assert make(experts=4, base_solver=solver)(x).counts.tolist() == [9, 9, 9, 10]
-    with pytest.raises(ValueError, match="base_extras must be 'best' or 'lowest', got 'first'"):
+    with pytest.raises(ValueError, match=r"base_extras must be one of \('best', 'lowest'\), got 'first'"):
         make(base_extras="first")
 
 

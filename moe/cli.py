@@ -1,0 +1,300 @@
+"""The ``moe`` command: ``moe train | generate | export | bench``.
+
+Arguments are checked before anything heavy is imported or read; a bad one ends the command
+with exit status 2 and a single line naming the option, what it needs and what it got.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+BENCHMARKS = {"routing": "routing", "layer": "moe_layer", "gemm": "grouped_gemm", "a2a": "all_to_all"}
+ROUTERS = ("base", "topk", "sinkhorn", "expert_choice")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+class UsageError(Exception):
+    """A bad argument: the command exits 2 with this one-line message."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _fmt(prog):
+    return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32, width=100)
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+
+    return parse
+
+
+def _train_parser(sub) -> argparse.ArgumentParser:
+    from .train.config import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train a Llama-2-MoE model", formatter_class=_fmt)
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", default=d.preset, help="model preset (python -m moe.models.llama lists them)")
+    m.add_argument("--experts", type=_positive("--experts"), default=None, help="experts per MoE layer (preset's)")
+    m.add_argument("--top-k", type=_positive("--top-k"), default=None, help="experts per token (1 for base)")
+    m.add_argument("--router", choices=ROUTERS, default=d.router, help="router of the MoE layers")
+    m.add_argument("--moe-every", type=_positive("--moe-every"), default=None, help="every N-th MLP is MoE")
+    m.add_argument("--dense", action="store_true", help="no MoE layer: a dense Llama")
+    m.add_argument("--dim", type=_positive("--dim"), default=None, help="model width (preset's)")
+    m.add_argument("--n-layers", type=_positive("--n-layers"), default=None, help="layers (preset's)")
+    m.add_argument("--aux-loss-coef", type=float, default=None, help="load-balancing loss weight (preset's)")
+    m.add_argument("--z-loss-coef", type=float, default=None, help="router z-loss weight (preset's)")
+    m.add_argument("--bias-update-rate", type=float, default=None, help="top-k aux-loss-free bias step (0: off)")
+    m.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (None: dropless)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's source)")
+    g.add_argument("--tokenizer", default=None, help="a local tokenizer.json (default: bytes + 4 specials)")
+    g.add_argument("--batch", type=_positive("--batch"), default=d.batch, help="global batch in sequences")
+    g.add_argument("--seq-len", type=_positive("--seq-len"), default=d.seq_len, help="tokens per sequence")
+    g.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of the tokens held out")
+    g.add_argument("--eval-every", type=_positive("--eval-every"), default=d.eval_every, help="validation cadence")
+    g.add_argument("--eval-batches", type=_positive("--eval-batches"), default=d.eval_batches, help="held-out batches")
+    o = p.add_argument_group("optimiser")
+    o.add_argument("--steps", type=_positive("--steps"), default=d.steps, help="optimiser steps of the schedule")
+    o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    o.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr (cosine)")
+    o.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm")
+    o.add_argument("--seed", type=int, default=d.seed, help="seeds the weights and the data order")
+    r = p.add_argument_group("run")
+    r.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    r.add_argument("--checkpoint-every", type=_positive("--checkpoint-every"), default=d.checkpoint_every,
+                   help="checkpoint cadence (and always at the end)")  # fmt: skip
+    r.add_argument("--keep", type=_positive("--keep"), default=d.keep, help="checkpoints kept")
+    r.add_argument("--stop-at", type=_positive("--stop-at"), default=None,
+                   help="end after this step (checkpoint, exit 0), keeping the schedule of --steps")  # fmt: skip
+    r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
+    lay = p.add_argument_group("layout (world size = product of the dimensions)")
+    lay.add_argument("--nproc", type=_positive("--nproc"), default=d.nproc, help="local processes (torchrun)")
+    for name in ("tp", "pp", "ep", "dp-replicate"):
+        lay.add_argument(f"--{name}", type=_positive(f"--{name}"), default=1, help=f"{name} size")
+    lay.add_argument("--dp-shard", type=int, default=-1, help="FSDP size (-1: what the others leave)")
+    lay.add_argument("--etp", action="store_true", help="tp ranks shard each expert's hidden dim")
+    lay.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule")
+    lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None, help="pipeline micro-batches")
+    return p
+
+
+def _check_train(args, p) -> None:
+    """Everything that can be checked without reading data or building the model."""
+    from .models.llama import PRESETS
+    from .train.config import RESUME_KEEPS
+
+    if args.out is None:
+        if args.resume:
+            raise UsageError("--resume needs --out DIR, the run folder to continue")
+        args.out = str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out = Path(args.out)
+    if args.resume:
+        if not (out / "config.json").exists():
+            raise UsageError(f"--resume: {out} is not a run folder (no config.json)")
+        if not (out / "checkpoints" / "latest").exists():
+            raise UsageError(f"--resume: {out} has no checkpoint yet (checkpoints/latest is missing)")
+        saved = json.loads((out / "config.json").read_text())["train"]
+        for key, value in saved.items():  # the run's own values, unless given again
+            if key in ("out", "resume", "stop_at") or not hasattr(args, key):
+                continue
+            if key in args._explicit and key in RESUME_KEEPS and getattr(args, key) != value:
+                flag = "--" + key.replace("_", "-")
+                raise UsageError(f"{flag} {getattr(args, key)} differs from the run's {value}: a resumed run keeps it")
+            if key not in args._explicit:
+                setattr(args, key, value)
+    elif out.exists() and any(out.iterdir()):
+        raise UsageError(f"--out {out} exists: pass --resume to continue it, or choose another folder")
+    if args.preset not in PRESETS:
+        raise UsageError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}")
+    if args.data is not None and not Path(args.data).exists():
+        raise UsageError(f"--data {args.data}: no such file or folder")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
+    if args.stop_at is not None and args.stop_at > args.steps:
+        raise UsageError(f"--stop-at {args.stop_at} must be <= --steps {args.steps}")
+    if args.warmup < 0 or args.lr <= 0 or args.grad_clip <= 0:
+        got = f"{args.warmup}, {args.lr}, {args.grad_clip}"
+        raise UsageError(f"need --warmup >= 0, --lr > 0, --grad-clip > 0; got {got}")
+    if not 0 < args.val_fraction < 0.5:
+        raise UsageError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    fixed = args.tp * args.pp * args.dp_replicate
+    dp_shard = args.dp_shard if args.dp_shard != -1 else world // fixed
+    if dp_shard < 1 or fixed * dp_shard != world:
+        raise UsageError(
+            f"layout tp={args.tp} x pp={args.pp} x dp_replicate={args.dp_replicate} x dp_shard={args.dp_shard} "
+            f"must multiply to the world size {world} (--nproc or torchrun's)"
+        )
+    dp = dp_shard * args.dp_replicate
+    if args.batch % dp:
+        raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel size {dp}")
+    if args.ep > 1 and dp % args.ep:
+        raise UsageError(f"--ep {args.ep} must divide the data-parallel ranks dp_replicate x dp_shard = {dp}")
+    experts = args.experts or (PRESETS[args.preset].moe.num_experts if PRESETS[args.preset].moe else 8)
+    if experts % args.ep:
+        raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
+    if world > 1:
+        raise UsageError(f"layouts of more than one process are not available yet (world size {world}); use --nproc 1")
+    args.dp_shard = dp_shard
+
+
+def _train(args, p, argv) -> int:
+    _check_train(args, p)
+    from .train.config import TrainConfig
+    from .train.loop import train
+
+    cfg = TrainConfig.from_dict(vars(args))
+    try:
+        return train(cfg, Path(args.out), argv)
+    except ValueError as err:  # data or model options found bad once read (they name their option)
+        if str(err).startswith("--"):
+            raise UsageError(str(err)) from None
+        raise
+
+
+def _generate_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="generate text from a run's latest checkpoint", formatter_class=_fmt)
+    p.add_argument("--run", required=True, help="run folder written by moe train")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=64, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix at every token")
+    p.add_argument("--print-ids", action="store_true", help="also print the generated token ids")
+    return p
+
+
+def _check_run(run: str) -> Path:
+    path = Path(run)
+    if not (path / "config.json").exists():
+        raise UsageError(f"--run {run}: not a run folder (no config.json)")
+    if not (path / "checkpoints" / "latest").exists():
+        raise UsageError(f"--run {run}: the run has no checkpoint yet")
+    return path
+
+
+def _generate(args, p, argv) -> int:
+    run = _check_run(args.run)
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UsageError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
+    from .train.generate import generate_from_run
+
+    return generate_from_run(run, args)
+
+
+def _export_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="write a run's model in another format", formatter_class=_fmt)
+    p.add_argument("--run", required=True, help="run folder written by moe train")
+    p.add_argument("--to", choices=["hf"], default="hf", help="format: hf = transformers (safetensors + config)")
+    p.add_argument("dest", help="output folder")
+    return p
+
+
+def _export(args, p, argv) -> int:
+    run = _check_run(args.run)
+    dest = Path(args.dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise UsageError(f"{dest} exists and is not empty: choose another output folder")
+    from .train.export import export_hf
+
+    try:
+        kind = export_hf(run, dest)
+    except ValueError as err:  # the model has no counterpart there: the message says why
+        raise UsageError(str(err)) from None
+    print(f"wrote {kind} to {dest}")
+    return 0
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="run a benchmark (python -m benchmarks.<name>)", formatter_class=_fmt)
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="routing, layer, gemm or a2a")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (--help lists them)")
+    return p
+
+
+def _bench(args, p, argv) -> int:
+    import importlib.util
+    import runpy
+
+    module = f"benchmarks.{BENCHMARKS[args.name]}"
+    if importlib.util.find_spec("benchmarks") is None:
+        raise UsageError(f"{module} is not importable: run moe bench from the repository's root")
+    sys.argv = [module, *args.options]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The options the command line gives (a resumed run keeps its own values for the rest)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    quiet = _Parser(add_help=False)
+    cmd = sub.choices.get(argv[0]) if argv else None
+    if cmd is None:
+        return set()
+    for action in cmd._actions:
+        if action.option_strings and action.dest != "help":
+            quiet._add_action(_copy_suppressed(action))
+    given, _ = quiet.parse_known_args(argv[1:])
+    return set(vars(given))
+
+
+def _copy_suppressed(action):
+    import copy
+
+    a = copy.copy(action)
+    a.default = argparse.SUPPRESS
+    a.required = False
+    return a
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="moe", description="Mixture-of-Experts models: train, generate, export, bench")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for make, run in ((_train_parser, _train), (_generate_parser, _generate), (_export_parser, _export),
+                      (_bench_parser, _bench)):  # fmt: skip
+        make(sub).set_defaults(_run=run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        args._explicit = _explicit(parser, argv)
+        return args._run(args, parser, argv)
+    except UsageError as err:
+        print(f"moe {argv[0] if argv else ''}: error: {err}".replace("  ", " "), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The training loop behind ``moe train``: it only composes the pieces (data, model, optimiser,
+checkpoints, metrics), nanoGPT-small on purpose.
+
+Loss of a step: ``lm_loss`` (mean next-token cross entropy over the global batch) plus
+``aux_loss`` (the MoE layers' aux and z losses, already weighted by their coefficients).
+fp32 on CPU; bf16 autocast on a GPU (the parameters and the optimiser stay fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..layer import aux_loss
+from ..models.llama import Llama
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig, model_config
+from .data import load_corpus, load_tokenizer
+from .metrics import MetricsLog, moe_layer_stats, plot_run
+
+__all__ = ["Trainer", "lr_lambda", "train"]
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+
+    def f(step: int) -> float:  # step: optimiser steps taken so far
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class _Stop:
+    """SIGINT / SIGTERM set a flag; the loop finishes its step, checkpoints and exits."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        signal.signal(signum, self._old[signum])  # a second signal acts as usual
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> None:
+        self.cfg, self.run_dir, self.argv = cfg, run_dir, argv or []
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.corpus = load_corpus(cfg.data, self.tokenizer, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction)
+        self.model_config = model_config(cfg, self.tokenizer.vocab_size)
+        torch.manual_seed(cfg.seed)
+        with torch.device(self.device):
+            self.model = Llama(self.model_config)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.step = 0
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    def _lm_loss(self, inputs, targets):
+        with self._autocast():
+            logits = self.model(inputs.to(self.device))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total, n = 0.0, 0
+        for inputs, targets in self.corpus.val_batches(self.cfg.eval_batches, self.cfg.batch, self.cfg.seq_len):
+            total += float(self._lm_loss(inputs, targets))
+            n += 1
+        aux_loss(self.model)  # discard what the eval forwards left pending
+        self.model.train()
+        return total / n
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        inputs, targets = self.corpus.batch(self.step, cfg.seed, cfg.batch, cfg.seq_len)
+        t0 = time.perf_counter()
+        lm = self._lm_loss(inputs, targets)
+        aux = aux_loss(self.model).float()
+        loss = lm + aux
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        return {
+            "step": self.step,
+            "loss": float(loss.detach()),
+            "lm_loss": float(lm.detach()),
+            "aux_loss": float(aux.detach()),
+            "tokens_per_s": cfg.batch * cfg.seq_len / dt,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "moe": moe_layer_stats(self.model),
+        }
+
+    def save(self) -> Path:
+        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(), "data_position": self.step}
+        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, extra, self.cfg.keep)
+
+    def load(self, path: Path) -> None:
+        extra = load_checkpoint(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.step = int(extra["step"])
+
+    def write_config(self) -> None:
+        c = self.corpus
+        info = {
+            "train": self.cfg.to_dict(),
+            "model": asdict(self.model_config),
+            "tokenizer": getattr(self.tokenizer, "name", "bytes"),
+            "data": {"source": c.source, "files": c.num_files, "train_tokens": len(c.train), "val_tokens": len(c.val)},
+            "params": self.model_config.num_params(),
+            "active_params": self.model_config.num_active_params(),
+            "command": self.argv,
+        }
+        (self.run_dir / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed_from = None
+        if cfg.resume:
+            resumed_from = latest_checkpoint(self.run_dir)
+            self.load(resumed_from)
+        self.write_config()
+        log = MetricsLog(self.run_dir, resume_step=self.step if cfg.resume else None)
+        last = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        if resumed_from is not None:
+            bar.write(f"resumed from {resumed_from} at step {self.step}")
+        stop = _Stop()
+        plot_every = cfg.plot_every or cfg.eval_every
+        try:
+            if self.step == 0:  # the starting point of the validation curve
+                log.write({"step": 0, "val_loss": self.evaluate()})
+            while self.step < last:
+                record = self.train_step()
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    record["val_loss"] = self.evaluate()
+                log.write(record)
+                max_load = max((v["max_load"] for v in record["moe"].values()), default=float("nan"))
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", max_load=f"{max_load:.2f}"
+                )
+                bar.update(1)
+                if self.step % plot_every == 0:
+                    plot_run(self.run_dir)
+                if stop.signum is not None:
+                    break
+                if self.step % cfg.checkpoint_every == 0 and self.step < last:
+                    self.save()
+            path = self.save()
+            plot_run(self.run_dir)
+        finally:
+            bar.close()
+            log.close()
+            stop.restore()
+        resume_hint = f"moe train --out {self.run_dir} --resume"
+        if stop.signum is not None:
+            name = signal.Signals(stop.signum).name
+            print(f"{name}: stopped after step {self.step}, checkpoint {path}; resume with: {resume_hint}")
+            return 128 + stop.signum
+        if self.step < cfg.steps:
+            print(f"stopped at step {self.step} of {cfg.steps} (--stop-at), checkpoint {path}")
+            print(f"resume with: {resume_hint}")
+        else:
+            print(f"done: {self.step} steps, run folder {self.run_dir}")
+        return 0
+
+
+def train(cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> int:
+    return Trainer(cfg, run_dir, argv).run()

@@ -1,0 +1,74 @@
+"""The `moe` command: help, one-line usage errors (exit 2, no traceback), bench forwarding."""
+
+import argparse
+
+import pytest
+
+from moe.cli import build_parser, main
+
+from .train.run import moe
+
+
+def _subparser(name):
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "export"])
+def test_help_lists_every_option_with_its_default(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for action in _subparser(command)._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.option_strings[-1] in text, action.dest
+            assert action.help and "%(default)" not in action.help
+    assert text.count("(default:") >= len([a for a in _subparser(command)._actions if a.option_strings]) - 1
+
+
+def test_train_help_from_the_real_command():
+    out = moe("train", "--help").stdout
+    for flag in ("--preset", "--router", "--experts", "--nproc", "--ep", "--resume", "--stop-at", "--keep"):
+        assert flag in out
+    assert "(default: base)" in out  # BASE is the default router
+
+
+BAD = [
+    (["train", "--preset", "nope"], "--preset: unknown preset 'nope'"),
+    (["train", "--data", "/no/such/path"], "--data /no/such/path: no such file"),
+    (["train", "--router", "magic"], "invalid choice: 'magic'"),
+    (["train", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["train", "--steps", "4", "--stop-at", "9"], "--stop-at 9 must be <= --steps 4"),
+    (["train", "--nproc", "2", "--tp", "3"], "must multiply to the world size 2"),
+    (["train", "--experts", "3", "--ep", "2", "--nproc", "2"], "--experts 3 must be divisible by --ep 2"),
+    (["train", "--resume"], "--resume needs --out DIR"),
+    (["train", "--tokenizer", "/no/tok.json"], "--tokenizer /no/tok.json: no such file"),
+    (["generate", "--run", "/no/run"], "--run /no/run: not a run folder"),
+    (["export", "--run", "/no/run", "--to", "onnx", "x"], "invalid choice: 'onnx'"),
+    (["bench", "nope"], "invalid choice: 'nope'"),
+    ([], "required: command"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD, ids=[" ".join(a) or "empty" for a, _ in BAD])
+def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default run folder would be created here, never in the repository
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_existing_run_folder_needs_resume_in_a_subprocess(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    proc = moe("train", "--out", tmp_path / "run", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    folder = tmp_path / "run"
+    hint = "pass --resume to continue it, or choose another folder"
+    assert proc.stderr.strip() == f"moe train: error: --out {folder} exists: {hint}"
+
+
+def test_bench_forwards_to_the_benchmark():
+    proc = moe("bench", "routing", "--help")
+    assert "--quick" in proc.stdout  # the routing benchmark's own option
