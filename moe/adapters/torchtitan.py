@@ -56,6 +56,7 @@ __all__ = [
     "llama3_moe_debugmodel",
     "moe_model_spec",
     "parallelize_llama_moe",
+    "pipeline_llama_moe",
 ]
 
 
@@ -100,7 +101,16 @@ class MoEFeedForward(Module):
         return self._local(x)
 
     def _local(self, x_BLD: Tensor) -> Tensor:
-        y = self.moe(x_BLD, seq_len=x_BLD.shape[1] if x_BLD.dim() == 3 else None)
+        seq_len = x_BLD.shape[1] if x_BLD.dim() == 3 else None
+        replicated = {
+            name: t.to_local()  # the tp ranks compute the same thing: their gradients are already whole
+            for name, t in [*self.moe.named_parameters(), *self.moe.named_buffers()]
+            if isinstance(t, DTensor) and all(p.is_replicate() for p in t.placements)
+        }
+        if replicated:
+            y = torch.func.functional_call(self.moe, replicated, (x_BLD,), {"seq_len": seq_len}, strict=False)
+        else:
+            y = self.moe(x_BLD, seq_len=seq_len)
         loss = aux_loss(self.moe)  # this call's router losses (zero without coefficients)
         if loss.requires_grad and torch.is_grad_enabled():
             y = _AttachLoss.apply(y, loss, self.aux_loss_scale)
@@ -183,6 +193,15 @@ def _attach_expert_parallel(layer: MoE, ep_mesh) -> None:
         layer.router.sum_over_ranks = lambda t: _summed(t, group)  # the bias moves alike everywhere
 
 
+def _replicate_on(module: nn.Module, mesh) -> None:
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]), p.requires_grad))
+        for name, b in list(sub.named_buffers(recurse=False)):
+            keep = name not in sub._non_persistent_buffers_set
+            sub.register_buffer(name, distribute_tensor(b, mesh, [Replicate()]), persistent=keep)
+
+
 def _summed(t: Tensor, group) -> Tensor:
     t = t.clone()
     torch.distributed.all_reduce(t, group=group)
@@ -202,6 +221,12 @@ def parallelize_llama_moe(model: nn.Module, *, parallel_dims, training, parallel
         accum = max(1, training.global_batch_size // (training.local_batch_size * dp))
     for m in layers:
         m.aux_loss_scale = 1.0 / (dp * micro * accum)
+    if parallel_dims.tp_enabled and layers:
+        # Replicated on the tp mesh like torchtitan's norms, so FSDP2, gradient clipping and
+        # checkpoints see every parameter on the same (dp, tp) meshes as the rest of the model.
+        tp_mesh = parallel_dims.get_mesh("tp")
+        for m in layers:
+            _replicate_on(m.moe, tp_mesh)
     if parallel_dims.ep_enabled and layers:
         if parallel_dims.tp_enabled:
             raise NotImplementedError(
@@ -220,6 +245,30 @@ def parallelize_llama_moe(model: nn.Module, *, parallel_dims, training, parallel
     return parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
 
 
+def pipeline_llama_moe(model: nn.Module, **kwargs):
+    """torchtitan's ``pipeline_llm`` (same signature and result), with one change: torch's
+    pipeline stages learn their shapes by running a forward on tensors made from metadata,
+    which are uninitialised memory. Our routers reject non-finite input (they raise instead of
+    routing NaN), so those tensors are zero-filled."""
+    schedule, parts, has_first, has_last = pipeline_llm(model, **kwargs)
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for stage in stages:
+        if stage is not None and hasattr(stage, "_to_tensor"):
+            stage._to_tensor = _zero_filled(stage._to_tensor)
+    return schedule, parts, has_first, has_last
+
+
+def _zero_filled(to_tensor):
+    def zero_filled(arg):
+        t = to_tensor(arg)
+        if not isinstance(arg, Tensor):  # made from metadata: uninitialised
+            with torch.no_grad():
+                t.zero_()
+        return t
+
+    return zero_filled
+
+
 def moe_model_spec(spec: ModelSpec, moe: MoEConfig, *, every: int = 1, first: int = 0) -> ModelSpec:
     """A torchtitan llama3 ``ModelSpec`` with `MoEFeedForward` in every ``every``-th block from
     ``first``, parallelised by `parallelize_llama_moe`; the rest of the spec is unchanged."""
@@ -233,7 +282,7 @@ def moe_model_spec(spec: ModelSpec, moe: MoEConfig, *, every: int = 1, first: in
         name=f"{spec.name}_moe",
         model=model,
         parallelize_fn=parallelize_llama_moe,
-        pipelining_fn=pipeline_llm,
+        pipelining_fn=pipeline_llama_moe,
         state_dict_adapter=None,  # the HF Llama conversion knows no MoE weights
     )
 

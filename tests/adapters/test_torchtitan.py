@@ -111,6 +111,7 @@ def _train(rank: int, world: int, store: str, layout: str, folder: str, moe: MoE
     cfg = trainer_config(os.path.join(folder, f"r{rank}"), LAYOUTS[layout][1], moe)
     full = reference_state(cfg)
     trainer = cfg.build()
+    titan_cpu.adapt_schedule(trainer)
     loaded = set()
     for part in trainer.model_parts:
         loaded |= load_full(part, full)

@@ -73,6 +73,27 @@ def install() -> None:
     fsdp.disable_fsdp_gradient_division = sum_not_premul
 
 
+def adapt_schedule(trainer) -> None:
+    """Replaces the call torchtitan 0.3's trainer makes to its pipeline schedule: it passes
+    ready-made microbatches (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``), which torch 2.13's
+    schedules do not take; they take the whole batch and cut it into the same microbatches
+    (equal splits along the batch dim), so the microbatches are concatenated back."""
+    schedule = getattr(trainer, "pp_schedule", None)
+    if schedule is None:
+        return
+    step = schedule.step
+
+    def cat(parts):
+        return torch.cat(parts, dim=0) if parts else None
+
+    def whole_batch_step(*, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, loss_kwargs=None, **rest):
+        args = tuple(cat(list(a)) for a in zip(*arg_mbs, strict=True)) if arg_mbs else ()
+        kwargs = {k: cat([kw[k] for kw in kwarg_mbs]) for k in kwarg_mbs[0]} if kwarg_mbs else {}
+        return step(*args, target=cat(target_mbs), losses=losses, loss_kwargs=loss_kwargs, **rest, **kwargs)
+
+    schedule.step = whole_batch_step
+
+
 _TEXT = (
     "the quick brown fox jumps over the lazy dog while experts route tokens to balanced slots; "
     "pipelines cut the model into stages and tensors are split across ranks so that the same "
