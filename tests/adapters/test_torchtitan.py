@@ -156,3 +156,36 @@ def test_layout_matches_one_process(single, layout):
     torch.testing.assert_close(last["grad_norm"], ref["grad_norm"], rtol=1e-4, atol=1e-5)
     params = set().union(*(set(log["params"]) for log in logs))
     assert params == set(ref["params"]), "the layout's shards must hold every weight of the model"
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_router_losses_reach_the_gradient(scale):
+    """The aux and z losses join the backward through the layer's output, times its scale."""
+    from moe import MoE, aux_loss
+    from moe.adapters.torchtitan import MoEFeedForward
+
+    cfg = _moe(aux_loss_coef=0.5, z_loss_coef=0.1)
+    torch.manual_seed(0)
+    ff = MoEFeedForward.Config(moe=cfg).build()
+    ff.init_states()
+    ff.aux_loss_scale = scale
+    ref = MoE(cfg)
+    ref.load_state_dict(ff.moe.state_dict())
+    x = torch.randn(3, 7, cfg.dim)
+    ff(x).square().sum().backward()
+    y = ref(x)
+    (y.square().sum() + scale * aux_loss(ref)).backward()
+    for (name, p), q in zip(ff.moe.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert ff.moe.router.weight.grad.abs().sum() > 0
+
+
+def test_moe_model_spec_checks_the_width():
+    from torchtitan.models.llama3 import model_registry
+
+    from moe.adapters.torchtitan import moe_model_spec
+
+    with pytest.raises(ValueError, match="moe.dim must equal the model dim 256"):
+        moe_model_spec(model_registry("debugmodel"), _moe())
+    spec = moe_model_spec(model_registry("debugmodel"), _moe(dim=256), every=2, first=1)
+    assert spec.model.moe_layers() == [1, 3, 5]
