@@ -54,16 +54,24 @@ def _ours(dim: int, hidden: int, experts: int, top_k: int):
     return module
 
 
-def _time(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    times = []
-    for i in range(repeats + 1):
-        x_ = x.detach().requires_grad_()
-        t = time.perf_counter()
-        module(x_).square().mean().backward()
-        if i:  # the first call loads code and fills caches
-            times.append(time.perf_counter() - t)
-        module.zero_grad(set_to_none=True)
-    return statistics.median(times)
+def _step(module: nn.Module, x: torch.Tensor) -> float:
+    x_ = x.detach().requires_grad_()
+    t = time.perf_counter()
+    module(x_).square().mean().backward()
+    elapsed = time.perf_counter() - t
+    module.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def _time(modules: list[nn.Module], x: torch.Tensor, repeats: int) -> list[float]:
+    """Median step time of each module, the modules taking turns (a busy machine slows both)."""
+    for m in modules:  # the first call loads code and fills caches
+        _step(m, x)
+    times = [[] for _ in modules]
+    for _ in range(repeats):
+        for m, ts in zip(modules, times, strict=True):
+            ts.append(_step(m, x))
+    return [statistics.median(ts) for ts in times]
 
 
 def main() -> None:
@@ -78,7 +86,7 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(4, a.tokens // 4, a.dim)
     shape = (a.dim, a.hidden, a.experts, a.top_k)
-    ours, theirs = _time(_ours(*shape), x, a.repeats), _time(_titan_moe(*shape), x, a.repeats)
+    ours, theirs = _time([_ours(*shape), _titan_moe(*shape)], x, a.repeats)
     print(
         f"| T={a.tokens} D={a.dim} F={a.hidden} E={a.experts} K={a.top_k} | ours {ours * 1e3:.1f} ms | "
         f"torchtitan MoE {theirs * 1e3:.1f} ms | ours / theirs {ours / theirs:.2f} |"

@@ -136,10 +136,6 @@ class Llama3MoEModel(Llama3Model):
             first, every = self.moe_first, self.moe_every
             return [i for i in range(len(self.layers)) if i >= first and (i - first) % every == 0]
 
-        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-            nparams, flops = Llama3Model.Config.get_nparams_and_flops(self, model, seq_len)
-            return nparams, flops  # counts every expert: an upper bound on the active FLOPs
-
     def __init__(self, config: Config) -> None:
         _check_moe_config(config)
         layers = list(config.layers)

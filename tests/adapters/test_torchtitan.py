@@ -189,3 +189,6 @@ def test_moe_model_spec_checks_the_width():
         moe_model_spec(model_registry("debugmodel"), _moe())
     spec = moe_model_spec(model_registry("debugmodel"), _moe(dim=256), every=2, first=1)
     assert spec.model.moe_layers() == [1, 3, 5]
+    from moe.adapters.torchtitan import llama3_moe_debugmodel
+
+    assert llama3_moe_debugmodel().model_spec.model.moe_layers() == [1, 3, 5]  # the --config entry point
