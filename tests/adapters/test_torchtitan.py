@@ -115,7 +115,13 @@ def _train(rank: int, world: int, store: str, layout: str, folder: str, moe: MoE
     loaded = set()
     for part in trainer.model_parts:
         loaded |= load_full(part, full)
-    log = {"loss": [], "grad_norm": [], "params": sorted(loaded)}
+    from torch.distributed.tensor import DTensor
+
+    from moe.adapters.torchtitan import MoEFeedForward
+
+    w1 = [m.moe.experts.w1 for part in trainer.model_parts for m in part.modules() if isinstance(m, MoEFeedForward)]
+    meshes = [list(w.device_mesh.mesh_dim_names) if isinstance(w, DTensor) else [] for w in w1]
+    log = {"loss": [], "grad_norm": [], "params": sorted(loaded), "expert_meshes": meshes}
     original = trainer.metrics_processor.log
 
     def record(step, loss, max_loss, grad_norm, *args, **kwargs):
@@ -154,6 +160,8 @@ def test_layout_matches_one_process(single, layout):
     assert len(last["loss"]) == STEPS
     torch.testing.assert_close(last["loss"], ref["loss"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(last["grad_norm"], ref["grad_norm"], rtol=1e-4, atol=1e-5)
+    on_ep = {"ep" in names for log in logs for names in log["expert_meshes"]}
+    assert on_ep == {layout == "ep2"}, logs[0]["expert_meshes"]  # only EP puts the experts on the ep mesh
     params = set().union(*(set(log["params"]) for log in logs))
     assert params == set(ref["params"]), "the layout's shards must hold every weight of the model"
 
