@@ -1,0 +1,97 @@
+"""Step time of a torchtitan feed-forward slot on CPU: our MoE (through `MoEFeedForward`)
+against torchtitan's own MoE, same shape and routing (softmax top-k), forward + backward,
+median of several repeats in one run. Needs the torchtitan extra.
+
+    python -m benchmarks.adapters [--tokens 2048 --dim 256 --hidden 512 --experts 8 --top-k 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+from torch import nn
+
+
+def _titan_moe(dim: int, hidden: int, experts: int, top_k: int):
+    from torchtitan.models.common.config_utils import (
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+
+    init = {"weight": partial(nn.init.normal_, std=0.02)}
+    cfg = make_moe_config(
+        num_experts=experts,
+        router=make_router_config(
+            dim=dim, num_experts=experts, gate_param_init=init, top_k=top_k, score_func="softmax", route_norm=True
+        ),
+        routed_experts=make_routed_experts_config(
+            dim=dim,
+            hidden_dim=hidden,
+            num_experts=experts,
+            top_k=top_k,
+            param_init={n: init["weight"] for n in ("w1_EFD", "w2_EDF", "w3_EFD")},
+            comm_backend="standard",
+        ),
+        load_balance_coeff=None,
+    )
+    module = cfg.build()
+    module.init_states()
+    return module
+
+
+def _ours(dim: int, hidden: int, experts: int, top_k: int):
+    from moe import MoEConfig
+    from moe.adapters.torchtitan import MoEFeedForward
+
+    moe = MoEConfig(dim=dim, hidden_dim=hidden, num_experts=experts, top_k=top_k, router_options={"renormalize": True})
+    module = MoEFeedForward.Config(moe=moe).build()
+    module.init_states()
+    return module
+
+
+def _step(module: nn.Module, x: torch.Tensor) -> float:
+    x_ = x.detach().requires_grad_()
+    t = time.perf_counter()
+    module(x_).square().mean().backward()
+    elapsed = time.perf_counter() - t
+    module.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def _time(modules: list[nn.Module], x: torch.Tensor, repeats: int) -> list[float]:
+    """Median step time of each module, the modules taking turns (a busy machine slows both)."""
+    for m in modules:  # the first call loads code and fills caches
+        _step(m, x)
+    times = [[] for _ in modules]
+    for _ in range(repeats):
+        for m, ts in zip(modules, times, strict=True):
+            ts.append(_step(m, x))
+    return [statistics.median(ts) for ts in times]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(4, a.tokens // 4, a.dim)
+    shape = (a.dim, a.hidden, a.experts, a.top_k)
+    ours, theirs = _time([_ours(*shape), _titan_moe(*shape)], x, a.repeats)
+    print(
+        f"| T={a.tokens} D={a.dim} F={a.hidden} E={a.experts} K={a.top_k} | ours {ours * 1e3:.1f} ms | "
+        f"torchtitan MoE {theirs * 1e3:.1f} ms | ours / theirs {ours / theirs:.2f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Megatron-core: weight conversion against a real Megatron ``MoELayer`` built on CPU, and our
+layer in its MLP slot at TP1 (Megatron's forward itself needs CUDA: see docs/adapters.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install 'moe[megatron]'")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.parallel import launch  # noqa: E402
+
+D, FF, E, K = 16, 24, 4, 2
+
+
+def _megatron_layer():
+    """Megatron's MoELayer (SequentialMLP experts) built on CPU in a one-rank gloo group. Its
+    all-gather token dispatcher is chosen because the all-to-all one makes a CUDA stream when
+    built; the layer is only built, never run, so the choice changes no weight."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=D,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        ffn_hidden_size=FF,
+        moe_ffn_hidden_size=FF,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_aux_loss_coeff=0.01,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    torch.manual_seed(0)
+    return cfg, MoELayer(cfg, spec.submodules.mlp.submodules)
+
+
+def _megatron_expert(sd: dict, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Megatron's SequentialMLP expert e with SwiGLU: fc2(silu(gate) * up), [gate | up] = fc1(x)."""
+    gate, up = torch.chunk(F.linear(x, sd[f"experts.local_experts.{e}.linear_fc1.weight"]), 2, dim=-1)
+    return F.linear(F.silu(gate) * up, sd[f"experts.local_experts.{e}.linear_fc2.weight"])
+
+
+def _conversion(rank, world, store):
+    from moe.adapters.megatron import from_megatron_state_dict, moe_config_from_megatron, to_megatron_state_dict
+
+    launch.init(rank, world, store)
+    cfg, meg = _megatron_layer()
+    sd = {k: v for k, v in meg.state_dict().items() if not k.endswith("_extra_state")}
+    moe_cfg = moe_config_from_megatron(cfg, backend="torch")
+    assert (moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.hidden_dim, moe_cfg.aux_loss_coef) == (E, K, FF, 0.01)
+    ours = from_megatron_state_dict(sd, moe_cfg)
+    x = torch.randn(5, D)
+    for e in range(E):  # each expert computes what Megatron's does
+        counts = torch.zeros(E, dtype=torch.long)
+        counts[e] = x.shape[0]
+        w = [getattr(ours.experts, n).detach() for n in ("w1", "w3", "w2")]
+        mine = (F.silu(x @ w[0][e]) * (x @ w[1][e])) @ w[2][e]
+        torch.testing.assert_close(mine, _megatron_expert(sd, e, x))
+    torch.testing.assert_close(ours.router.weight, sd["router.weight"])
+    back = to_megatron_state_dict(ours, layout="sequential")  # exactly Megatron's keys and values
+    assert set(back) == set(sd)
+    for k in sd:
+        torch.testing.assert_close(back[k], sd[k], rtol=0, atol=0, msg=k)
+    meg.load_state_dict(back, strict=False)  # and Megatron's layer takes them back
+    for layout in ("grouped", "te_grouped"):  # the other layouts round-trip to the same layer
+        other = to_megatron_state_dict(ours, layout=layout, prefix="decoder.layers.0.mlp.")
+        again = from_megatron_state_dict(other, moe_cfg, prefix="decoder.layers.0.mlp.")
+        for (n, p), q in zip(ours.named_parameters(), again.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{layout}: {n}")
+    grouped = to_megatron_state_dict(ours, layout="grouped")
+    w1 = grouped["experts.weight1"].view(E, D, -1)  # how Megatron's GroupedMLP reads weight1
+    w2 = grouped["experts.weight2"].view(E, -1, D)
+    for e in range(E):
+        gate, up = torch.chunk(x @ w1[e], 2, dim=-1)
+        torch.testing.assert_close((F.silu(gate) * up) @ w2[e], _megatron_expert(sd, e, x))
+
+
+@pytest.mark.distributed
+def test_megatron_weights_convert_both_ways():
+    launch.spawn(_conversion, 1)
+
+
+def _slot(rank, world, store):
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.spec_utils import build_module
+
+    from moe import MoE, aux_loss
+    from moe.adapters.megatron import moe_config_from_megatron, moe_module_spec
+
+    launch.init(rank, world, store)
+    cfg, _ = _megatron_layer()
+    torch.manual_seed(1)
+    slot = build_module(moe_module_spec(moe_config_from_megatron(cfg, backend="torch")), config=cfg)
+    ref = MoE(slot.moe.config)
+    ref.load_state_dict(slot.moe.state_dict())
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))
+    x_sbh = torch.randn(6, 3, D)
+    y, bias = slot(x_sbh)
+    assert bias is None and y.shape == x_sbh.shape
+    y.square().sum().backward()
+    y_ref = ref(x_sbh.transpose(0, 1)).transpose(0, 1)
+    (y_ref.square().sum() + 0.5 * aux_loss(ref)).backward()
+    torch.testing.assert_close(y, y_ref)
+    for (n, p), q in zip(slot.moe.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+@pytest.mark.distributed
+def test_megatron_mlp_slot_returns_output_and_no_bias_with_the_aux_loss_scaled():
+    launch.spawn(_slot, 1)
