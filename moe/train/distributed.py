@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["Layout", "clip_grad_norm", "setup"]
+__all__ = ["Layout", "clip_grad_norm", "parallelize", "setup"]
+
+# LlamaMesh slices its flattened views from the root mesh on purpose; said once per rank and
+# slice, it would bury the progress bar
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
 
 class Layout:
