@@ -141,7 +141,14 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    launched = "WORLD_SIZE" in os.environ  # by torchrun (or by --nproc, which starts it)
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
+    if launched and "nproc" in args._explicit and args.nproc != world:
+        raise UsageError(f"--nproc {args.nproc} differs from torchrun's world size {world}: drop --nproc there")
+    if args.pp > 1:
+        raise UsageError(f"--pp {args.pp}: pipeline stages are not wired into moe train yet; use --pp 1")
+    if args.etp and args.tp == 1:
+        raise UsageError("--etp shards the experts over the tp ranks: it needs --tp > 1")
     fixed = args.tp * args.pp * args.dp_replicate
     dp_shard = args.dp_shard if args.dp_shard != -1 else world // fixed
     if dp_shard < 1 or fixed * dp_shard != world:
@@ -152,18 +159,39 @@ def _check_train(args, p) -> None:
     dp = dp_shard * args.dp_replicate
     if args.batch % dp:
         raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel size {dp}")
-    if args.ep > 1 and dp % args.ep:
-        raise UsageError(f"--ep {args.ep} must divide the data-parallel ranks dp_replicate x dp_shard = {dp}")
+    if dp_shard % args.ep:
+        raise UsageError(f"--ep {args.ep} must divide --dp-shard {dp_shard}: the ep ranks are dp_shard ranks")
     experts = args.experts or (PRESETS[args.preset].moe.num_experts if PRESETS[args.preset].moe else 8)
     if experts % args.ep:
         raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
-    if world > 1:
-        raise UsageError(f"layouts of more than one process are not available yet (world size {world}); use --nproc 1")
     args.dp_shard = dp_shard
+
+
+def _launch(args, argv) -> int:
+    """Start ``--nproc`` local processes with torchrun's elastic agent (what ``torchrun
+    --standalone`` does), each running this same command; exit 1 when a rank failed."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+    )  # fmt: skip
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "moe", *argv, "--out", args.out)
+    except ChildFailedError as err:
+        codes = sorted({f.exitcode for f in err.failures.values()})
+        print(f"moe train: {len(err.failures)} of {args.nproc} ranks failed (exit {codes})", file=sys.stderr)
+        return codes[-1] if len(codes) == 1 and codes[0] > 0 else 1
+    return 0
 
 
 def _train(args, p, argv) -> int:
     _check_train(args, p)
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args, argv)
     from .train.config import TrainConfig
     from .train.loop import train
 

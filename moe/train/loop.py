@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 from ..layer import aux_loss
 from ..models.llama import Llama
+from ..parallel import loss_context, router_loss
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, model_config
 from .data import load_corpus, load_tokenizer
+from .distributed import clip_grad_norm, parallelize, setup
 from .metrics import MetricsLog, moe_layer_stats, plot_run
 
 __all__ = ["Trainer", "lr_lambda", "train"]
@@ -62,13 +64,15 @@ class _Stop:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> None:
         self.cfg, self.run_dir, self.argv = cfg, run_dir, argv or []
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device, self.layout = setup(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.corpus = load_corpus(cfg.data, self.tokenizer, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction)
         self.model_config = model_config(cfg, self.tokenizer.vocab_size)
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
             self.model = Llama(self.model_config)
+        if self.layout is None:  # launched by torchrun: the same model on every rank, then sharded
+            self.model, self.layout = parallelize(self.model, cfg, self.device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -88,6 +92,8 @@ class Trainer:
         return torch.autocast("cpu", enabled=False)
 
     def _lm_loss(self, inputs, targets):
+        """This rank's mean cross entropy over its rows of the global batch."""
+        inputs, targets = self.layout.local_batch(inputs), self.layout.local_batch(targets)
         with self._autocast():
             logits = self.model(inputs.to(self.device))
         return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
@@ -97,7 +103,7 @@ class Trainer:
         self.model.eval()
         total, n = 0.0, 0
         for inputs, targets in self.corpus.val_batches(self.cfg.eval_batches, self.cfg.batch, self.cfg.seq_len):
-            total += float(self._lm_loss(inputs, targets))
+            total += float(self.layout.mean_over_dp(self._lm_loss(inputs, targets)))
             n += 1
         aux_loss(self.model)  # discard what the eval forwards left pending
         self.model.train()
@@ -107,12 +113,18 @@ class Trainer:
         cfg = self.cfg
         inputs, targets = self.corpus.batch(self.step, cfg.seed, cfg.batch, cfg.seq_len)
         t0 = time.perf_counter()
-        lm = self._lm_loss(inputs, targets)
-        aux = aux_loss(self.model).float()
-        loss = lm + aux
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        with loss_context(self.model):  # the trainer contract of moe.parallel (docs/training.md)
+            lm = self._lm_loss(inputs, targets)
+            aux = router_loss(self.model).float()
+            loss = lm + aux
+            loss.backward()
+        if self.layout.mesh is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        else:  # gradients on several meshes: torch's clip would stack norms of different meshes
+            grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip)
+        lm, aux = self.layout.mean_over_dp(lm), self.layout.mean_over_dp(aux)
+        loss = lm + aux
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -154,47 +166,58 @@ class Trainer:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> int:
-        cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg, main = self.cfg, self.layout.is_main
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed_from = None
         if cfg.resume:
             resumed_from = latest_checkpoint(self.run_dir)
             self.load(resumed_from)
-        self.write_config()
-        log = MetricsLog(self.run_dir, resume_step=self.step if cfg.resume else None)
+        if main:  # rank 0 alone writes the config, the metrics and the plots, and shows the bar
+            self.write_config()
+        log = MetricsLog(self.run_dir, resume_step=self.step if cfg.resume else None) if main else None
+        self.layout.barrier()
         last = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-        if resumed_from is not None:
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   file=sys.stderr, disable=not main)  # fmt: skip
+        if resumed_from is not None and main:
             bar.write(f"resumed from {resumed_from} at step {self.step}")
         stop = _Stop()
         plot_every = cfg.plot_every or cfg.eval_every
         try:
             if self.step == 0:  # the starting point of the validation curve
-                log.write({"step": 0, "val_loss": self.evaluate()})
+                val = self.evaluate()
+                if main:
+                    log.write({"step": 0, "val_loss": val})
             while self.step < last:
                 record = self.train_step()
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     record["val_loss"] = self.evaluate()
-                log.write(record)
-                max_load = max((v["max_load"] for v in record["moe"].values()), default=float("nan"))
-                bar.set_postfix(
-                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", max_load=f"{max_load:.2f}"
-                )
-                bar.update(1)
-                if self.step % plot_every == 0:
-                    plot_run(self.run_dir)
-                if stop.signum is not None:
+                if main:
+                    log.write(record)
+                    max_load = max((v["max_load"] for v in record["moe"].values()), default=float("nan"))
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", max_load=f"{max_load:.2f}"
+                    )
+                    bar.update(1)
+                    if self.step % plot_every == 0:
+                        plot_run(self.run_dir)
+                if self._stopping(stop):
                     break
                 if self.step % cfg.checkpoint_every == 0 and self.step < last:
                     self.save()
             path = self.save()
-            plot_run(self.run_dir)
+            if main:
+                plot_run(self.run_dir)
         finally:
             bar.close()
-            log.close()
+            if log is not None:
+                log.close()
             stop.restore()
+        if not main:
+            return 128 + stop.signum if stop.signum is not None else 0
         resume_hint = f"moe train --out {self.run_dir} --resume"
         if stop.signum is not None:
             name = signal.Signals(stop.signum).name
@@ -207,6 +230,24 @@ class Trainer:
             print(f"done: {self.step} steps, run folder {self.run_dir}")
         return 0
 
+    def _stopping(self, stop: _Stop) -> bool:
+        """A signal on any rank stops every rank after the same step (they must all checkpoint)."""
+        if self.layout.mesh is None:
+            return stop.signum is not None
+        import torch.distributed as dist
+
+        flag = torch.tensor([stop.signum or 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and stop.signum is None:
+            stop.signum = int(flag.item())
+        return bool(flag.item())
+
 
 def train(cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> int:
-    return Trainer(cfg, run_dir, argv).run()
+    try:
+        return Trainer(cfg, run_dir, argv).run()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

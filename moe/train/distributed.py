@@ -1,0 +1,126 @@
+"""The layout of a ``moe train`` run: process group, `LlamaMesh`, `parallelize_llama`, and the
+global gradient norm over parameters that live on different meshes.
+
+Legend: W world size, Dp data-parallel ranks, Tp tensor ranks, Ep expert ranks.
+
+One process (W = 1) needs none of this: the model stays a plain `Llama`. Under torchrun (or
+``--nproc``, which starts torchrun's agent) every rank builds the same model from the seed and
+`parallelize_llama` shards it, following the trainer contract of docs/training.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["Layout", "clip_grad_norm", "parallelize", "setup"]
+
+# LlamaMesh slices its flattened views from the root mesh on purpose; said once per rank and
+# slice, it would bury the progress bar
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+
+
+class Layout:
+    """What the loop needs to know about the ranks: who writes, which rows it reads, how a
+    per-rank value becomes the global one."""
+
+    def __init__(self, mesh=None) -> None:
+        self.mesh = mesh  # a LlamaMesh, or None in one process
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def local_batch(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.mesh is None else self.mesh.local_batch(t)
+
+    def mean_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if self.mesh is None else self.mesh.mean_over_dp(t)
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def setup(cfg) -> tuple[torch.device, Layout | None]:
+    """Join the process group when launched by torchrun (WORLD_SIZE set); returns the device and,
+    for one process, a `Layout` without a mesh (the mesh comes with `parallelize`)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu"), Layout()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    dist.barrier()  # every rank has checked its arguments before any writes the run folder
+    return device, None
+
+
+def parallelize(model: nn.Module, cfg, device: torch.device) -> tuple[nn.Module, Layout]:
+    """Lay ``model`` out as ``cfg`` says (``cfg.dp_shard`` already resolved by the command)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..parallel import LlamaMesh, parallelize_llama
+
+    shape = (cfg.dp_replicate, cfg.dp_shard, cfg.tp)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    lm = LlamaMesh.build(mesh, ep=cfg.ep)
+    moe = model.config.moe
+    # BASE balances over the whole ep group, as one process balances over the whole batch
+    global_base = cfg.ep > 1 and moe is not None and moe.router == "base"
+    model = parallelize_llama(model, lm, ep=cfg.ep, etp=cfg.etp, global_base=global_base)
+    return model, Layout(lm)
+
+
+def _unpartial(g: DTensor) -> DTensor:
+    if any(p.is_partial() for p in g.placements):
+        g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+    return g
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` (2-norm) for gradients that are DTensors on different
+    meshes (experts over edp x ep, the rest over dp, tp shards): each gradient's local squared
+    sum is summed over the mesh dimensions that shard it (never over the replicating ones), so
+    every element counts once, then over all gradients. Every rank gets the same norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sums: dict[tuple, torch.Tensor] = {}  # (mesh dims, sharded dims) -> local squared sum
+    meshes: dict[tuple, object] = {}
+    plain = None
+    for g in grads:
+        if isinstance(g, DTensor):
+            g = _unpartial(g)
+            dims = tuple(i for i, p in enumerate(g.placements) if p.is_shard())
+            key = (g.device_mesh.mesh_dim_names, tuple(g.device_mesh.shape), dims)
+            local = g.to_local().double().square().sum()
+            sums[key] = sums[key] + local if key in sums else local
+            meshes[key] = g.device_mesh
+        else:
+            local = g.double().square().sum()
+            plain = local if plain is None else plain + local
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    if plain is not None:
+        total = total + plain
+    for key in sorted(sums, key=repr):  # the same order on every rank
+        s = sums[key]
+        for i in key[2]:
+            dist.all_reduce(s, group=meshes[key].get_group(i))
+        total = total + s
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
