@@ -1,4 +1,4 @@
-"""The ``moe`` command: ``moe train | generate | export | bench``.
+"""The ``moe`` command: ``moe train | generate | export | plan | bench``.
 
 Arguments are checked before anything heavy is imported or read; a bad one ends the command
 with exit status 2 and a single line naming the option, what it needs and what it got.
@@ -258,6 +258,23 @@ def _export(args, p, argv) -> int:
     return 0
 
 
+def _plan_parser(sub) -> argparse.ArgumentParser:
+    # listed in `moe --help`; `main` hands everything after "plan" to the planner's own parser
+    # (`moe plan --help` lists its options), since argparse cannot pass on leading options
+    p = sub.add_parser("plan", help="memory and step time of a layout (moe.plan)", add_help=False)
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the planner's options (moe plan --help)")
+    return p
+
+
+def _plan(argv: list[str]) -> int:
+    from .plan.cli import main as plan_main
+
+    try:
+        return plan_main(argv)
+    except SystemExit as e:  # the planner's parser: --help (0) or a bad option (2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
 def _bench_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark (python -m benchmarks.<name>)", formatter_class=_fmt)
     p.add_argument("name", choices=sorted(BENCHMARKS), help="routing, layer, gemm or a2a")
@@ -304,16 +321,18 @@ def _copy_suppressed(action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="moe", description="Mixture-of-Experts models: train, generate, export, bench")
+    p = _Parser(prog="moe", description="Mixture-of-Experts models: train, generate, export, plan, bench")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for make, run in ((_train_parser, _train), (_generate_parser, _generate), (_export_parser, _export),
-                      (_bench_parser, _bench)):  # fmt: skip
+                      (_plan_parser, None), (_bench_parser, _bench)):  # fmt: skip
         make(sub).set_defaults(_run=run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -76,3 +76,13 @@ def test_existing_run_folder_needs_resume_in_a_subprocess(tmp_path):
 def test_bench_forwards_to_the_benchmark():
     proc = moe("bench", "routing", "--help")
     assert "--quick" in proc.stdout  # the routing benchmark's own option
+
+
+def test_plan_forwards_to_the_planner(capsys):
+    assert main(["plan", "--help"]) == 0
+    assert "--global-batch-tokens" in capsys.readouterr().out
+    layout = ["--gpu", "h200", "--gpus", "8", "--seq-len", "4096", "--global-batch-tokens", "1048576"]
+    assert main(["plan", "--model", "llama2-7b", *layout, "--layout", "tp=2,dp_shard=4"]) == 0
+    assert "tp=2,pp=1,ep=1,dp_shard=4: fits" in capsys.readouterr().out
+    assert main(["plan", "--model", "nope", *layout, "--search"]) == 2
+    assert "is neither a preset" in capsys.readouterr().err

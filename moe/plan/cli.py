@@ -20,7 +20,9 @@ __all__ = ["build_parser", "load_model", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moe plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="moe plan", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a LlamaConfig JSON file")
     ap.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)}")
     ap.add_argument("--gpu-spec", default=None, help="override GPU fields, e.g. hbm_bytes=96e9,net_bw=25e9")
