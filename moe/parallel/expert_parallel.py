@@ -95,6 +95,10 @@ class ExpertParallel:
         self._sizes: list[int] | None = None  # rows of each etp rank in the current forward
         self._seq_len: int | None = None  # the current forward's
         self._broken: Exception | None = None  # a failure no collective could carry (see fail)
+        # the dtype the experts compute in, when it is not their parameters' own: FSDP2 with a
+        # MixedPrecisionPolicy casts the sharded fp32 weights to its param_dtype in its pre-forward
+        # hook, after the layer checks its input (set by `parallelize_llama`)
+        self.compute_dtype: torch.dtype | None = None
 
     def _on_device(self, router) -> bool:
         """The static path with a router that reads nothing back: agreed before routing, on the device."""
@@ -126,7 +130,7 @@ class ExpertParallel:
         self.agreement.start(stages)
         self._seq_len = seq_len
         cfg = layer.config
-        err = input_error(x, cfg.dim, layer.experts.w1.dtype, self.device.type)
+        err = input_error(x, cfg.dim, self.compute_dtype or layer.experts.w1.dtype, self.device.type)
         if err is None and (self.etp_group is None or self.static_splits):  # the routed T is known
             try:
                 check_seq_len(layer.router.config, seq_len, x.numel() // cfg.dim * self.etp_size)

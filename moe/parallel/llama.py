@@ -293,6 +293,7 @@ def parallelize_llama(
         ff = block.feed_forward
         if isinstance(ff, MoE) and ff.parallel is not None:
             _shard_experts(ff.experts, lm, **kw)
+            ff.parallel.compute_dtype = kw["mp_policy"].param_dtype
         if isinstance(ff, MoE) and etp:
             for part in (ff.router, ff.shared):
                 if part is not None and any(p.requires_grad for p in part.parameters()):
