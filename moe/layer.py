@@ -78,11 +78,11 @@ class MoE(nn.Module):
             par.fail(self, err)  # the other ranks raise too instead of waiting for this one
         if cfg.fused and par is None:  # no sorted copy of the tokens or of the outputs
             gates = res.weights.to(x_in.dtype)
-            info = sort_slots(res.expert_idx, num_experts=cfg.num_experts)
+            info = sort_slots(res.expert_idx, num_experts=cfg.num_experts, num_rows=self._known_rows(res))
             y_TD = self.experts.forward_fused(x_in, info, gates)
         else:
             keys = res.expert_idx if par is None else par.sort_key(res.expert_idx)  # the order rows are sent in
-            rows = par.known_rows(self, res) if par is not None else None
+            rows = par.known_rows(self, res) if par is not None else self._known_rows(res)
             xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend, num_rows=rows)
             ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
             gates = res.weights.to(ys.dtype)
@@ -101,6 +101,13 @@ class MoE(nn.Module):
                 res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
             )
         return y_TD.view(x.shape)
+
+    def _known_rows(self, res: RoutingResult) -> int | None:
+        """T*K when the router keeps every slot (dropless top-k, BASE), else None: knowing the
+        number of sorted rows saves permute its host reads, which a compiled graph cannot make."""
+        cfg = self.config
+        dropless = cfg.router == "base" or (cfg.router == "topk" and cfg.capacity_factor is None)
+        return res.expert_idx.numel() if dropless else None
 
     def __getstate__(self) -> dict:
         # copy.deepcopy (EMA and eval copies) and pickling: the pending loss belongs to the

@@ -25,7 +25,12 @@ __all__ = [
 
 def in_backward() -> bool:
     """True while autograd runs a backward pass: a forward called now is activation checkpointing
-    re-running it, and must neither repeat its side effects nor route differently."""
+    re-running it, and must neither repeat its side effects nor route differently.
+
+    False while torch.compile traces: a traced forward runs its python once, and a checkpointed
+    region inside a compiled graph re-runs as part of that graph's backward, not through python."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -58,7 +63,7 @@ def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True, values: boo
         return
     # a NaN would otherwise pass silently through topk and pick arbitrary experts
     what = f"x must be finite: found NaN or Inf in a tensor of shape {tuple(x_TD.shape)}"
-    if not host_check:
+    if not host_check or torch.compiler.is_compiling():  # a traced graph cannot branch on a value
         torch._assert_async(torch.isfinite(x_TD).all(), what)
     elif x_TD.numel() and not bool(torch.isfinite(x_TD).all()):  # host sync
         raise ValueError(what)
@@ -75,7 +80,7 @@ def check_logits(logits_TE: Tensor, x_TD: Tensor, *, host_check: bool = True) ->
     ``host_check=False`` checks without a host sync (``torch._assert_async``: a RuntimeError
     on CPU, a device-side assert on CUDA) for callers that promise none."""
     shape = tuple(x_TD.shape)
-    if not host_check:
+    if not host_check or torch.compiler.is_compiling():  # a traced graph cannot branch on a value
         what = f"x must be finite: found NaN or Inf in x of shape {shape} or in its fp32 router logits"
         torch._assert_async(torch.isfinite(logits_TE).all(), what)
     elif logits_TE.numel() and not bool(torch.isfinite(logits_TE).all()):  # host sync
