@@ -20,6 +20,7 @@ from .kernels import permute, sort_slots, unpermute, workspace
 from .routing import RoutingResult, build_router
 from .routing import release_work_buffers as _release_routing_buffers
 from .routing.common import in_backward
+from .routing.expert_choice import expert_choice_capacity
 
 __all__ = ["MoE", "aux_loss", "release_work_buffers"]
 
@@ -103,11 +104,16 @@ class MoE(nn.Module):
         return y_TD.view(x.shape)
 
     def _known_rows(self, res: RoutingResult) -> int | None:
-        """T*K when the router keeps every slot (dropless top-k, BASE), else None: knowing the
-        number of sorted rows saves permute its host reads, which a compiled graph cannot make."""
+        """The number of kept slots when the router fixes it: T*K when it keeps every slot
+        (dropless top-k, BASE, Sinkhorn), E*C for expert choice (each expert takes exactly C
+        tokens); else None. Knowing it saves permute its host reads, which a compiled graph
+        cannot make."""
         cfg = self.config
-        dropless = cfg.router == "base" or (cfg.router == "topk" and cfg.capacity_factor is None)
-        return res.expert_idx.numel() if dropless else None
+        if cfg.router in ("base", "sinkhorn") or (cfg.router == "topk" and cfg.capacity_factor is None):
+            return res.expert_idx.numel()
+        if cfg.router == "expert_choice":
+            return cfg.num_experts * expert_choice_capacity(res.num_tokens, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+        return None
 
     def __getstate__(self) -> dict:
         # copy.deepcopy (EMA and eval copies) and pickling: the pending loss belongs to the
