@@ -112,7 +112,8 @@ class MoE(nn.Module):
         if cfg.router in ("base", "sinkhorn") or (cfg.router == "topk" and cfg.capacity_factor is None):
             return res.expert_idx.numel()
         if cfg.router == "expert_choice":
-            return cfg.num_experts * expert_choice_capacity(res.num_tokens, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+            capacity = expert_choice_capacity(res.num_tokens, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+            return cfg.num_experts * capacity
         return None
 
     def __getstate__(self) -> dict:
