@@ -23,6 +23,14 @@ CASES = {
         **_SMALL, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001, router_options=dict(score_func="sigmoid")
     ),
     "topk-shared": MoEConfig(**_SMALL, top_k=1, num_shared_experts=1, fused=True),
+    "topk-groups-bias": MoEConfig(
+        dim=16,
+        hidden_dim=24,
+        num_experts=6,
+        top_k=2,
+        num_shared_experts=1,
+        router_options=dict(score_func="sigmoid", n_groups=3, topk_groups=2, bias_update_rate=0.01),
+    ),
     "tiny-base": MoEConfig.from_name("tiny-base"),
     "base-approx-k2": MoEConfig(**_SMALL, top_k=2, router="base", router_options=dict(base_solver="approx")),
     "sinkhorn": MoEConfig(**_SMALL, top_k=2, router="sinkhorn", aux_loss_coef=0.01),
@@ -69,6 +77,8 @@ def test_fullgraph_matches_eager(name: str, training: bool) -> None:
         assert g_c.keys() == g_e.keys() and g_e
         for key in g_e:
             torch.testing.assert_close(g_c[key], g_e[key], msg=key)
+        for (key, b_c), (_, b_e) in zip(twin.named_buffers(), eager.named_buffers(), strict=True):
+            torch.testing.assert_close(b_c, b_e, msg=key)  # the top-k bias moved alike
         assert twin._pending_loss is None  # aux_loss collected the compiled forward's loss
         torch.testing.assert_close(twin.last_routing.expert_idx, eager.last_routing.expert_idx)
         assert twin.last_routing.stats is None  # host-read floats are not made in a graph

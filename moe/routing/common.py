@@ -27,8 +27,8 @@ def in_backward() -> bool:
     """True while autograd runs a backward pass: a forward called now is activation checkpointing
     re-running it, and must neither repeat its side effects nor route differently.
 
-    False while torch.compile traces: a traced forward runs its python once, and a checkpointed
-    region inside a compiled graph re-runs as part of that graph's backward, not through python."""
+    False while torch.compile traces: the answer would be baked into the graph, so a compiled
+    MoE layer must not be activation-checkpointed (docs/training.md)."""
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
