@@ -37,6 +37,8 @@ class MoE(nn.Module):
       over the forwards, wait on the module until `aux_loss` collects them; ``last_routing``
       keeps a detached copy of the last `RoutingResult` for inspection. Neither keeps an
       autograd graph past `aux_loss`.
+    - torch.compile: on one device the forward traces with ``fullgraph=True`` for every router
+      (dropless, or expert choice); see docs/training.md for what changes while it traces.
     """
 
     def __init__(self, config: MoEConfig) -> None:
