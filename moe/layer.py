@@ -20,6 +20,7 @@ from .kernels import permute, sort_slots, unpermute, workspace
 from .routing import RoutingResult, build_router
 from .routing import release_work_buffers as _release_routing_buffers
 from .routing.common import in_backward
+from .routing.expert_choice import expert_choice_capacity
 
 __all__ = ["MoE", "aux_loss", "release_work_buffers"]
 
@@ -36,6 +37,8 @@ class MoE(nn.Module):
       over the forwards, wait on the module until `aux_loss` collects them; ``last_routing``
       keeps a detached copy of the last `RoutingResult` for inspection. Neither keeps an
       autograd graph past `aux_loss`.
+    - torch.compile: on one device the forward traces with ``fullgraph=True`` for every router
+      (dropless, or expert choice); see docs/training.md for what changes while it traces.
     """
 
     def __init__(self, config: MoEConfig) -> None:
@@ -78,11 +81,11 @@ class MoE(nn.Module):
             par.fail(self, err)  # the other ranks raise too instead of waiting for this one
         if cfg.fused and par is None:  # no sorted copy of the tokens or of the outputs
             gates = res.weights.to(x_in.dtype)
-            info = sort_slots(res.expert_idx, num_experts=cfg.num_experts)
+            info = sort_slots(res.expert_idx, num_experts=cfg.num_experts, num_rows=self._known_rows(res))
             y_TD = self.experts.forward_fused(x_in, info, gates)
         else:
             keys = res.expert_idx if par is None else par.sort_key(res.expert_idx)  # the order rows are sent in
-            rows = par.known_rows(self, res) if par is not None else None
+            rows = par.known_rows(self, res) if par is not None else self._known_rows(res)
             xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend, num_rows=rows)
             ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
             gates = res.weights.to(ys.dtype)
@@ -101,6 +104,19 @@ class MoE(nn.Module):
                 res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
             )
         return y_TD.view(x.shape)
+
+    def _known_rows(self, res: RoutingResult) -> int | None:
+        """The number of kept slots when the router fixes it: T*K when it keeps every slot
+        (dropless top-k, BASE, Sinkhorn), E*C for expert choice (each expert takes exactly C
+        tokens); else None. Knowing it saves permute its host reads, which a compiled graph
+        cannot make."""
+        cfg = self.config
+        if cfg.router in ("base", "sinkhorn") or (cfg.router == "topk" and cfg.capacity_factor is None):
+            return res.expert_idx.numel()
+        if cfg.router == "expert_choice":
+            capacity = expert_choice_capacity(res.num_tokens, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+            return cfg.num_experts * capacity
+        return None
 
     def __getstate__(self) -> dict:
         # copy.deepcopy (EMA and eval copies) and pickling: the pending loss belongs to the

@@ -179,11 +179,22 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = run
 
 
-def _compile_block(block: nn.Module, options: dict) -> None:
-    """torch.compile a block in place (its parameter names stay). An MoE block compiles its
-    attention and norms and leaves the MoE layer eager: the layer reads routing results on the
-    host (finiteness checks, counts, the BASE solver), each a graph break."""
-    if isinstance(block.feed_forward, MoE):
+def _compile_block(block: nn.Module, options: dict, *, checkpointed: bool, tp: int) -> None:
+    """torch.compile a block in place (its parameter names stay). A dense block, and an MoE
+    block whose layer runs on this rank alone, compile whole (the layer traces without a graph
+    break: tests/test_layer_compile.py). An MoE block compiles only its attention and norms,
+    leaving the MoE layer eager, when
+    - its layer is expert-parallel (``layer.parallel`` set): the dispatch sizes its all-to-all
+      from counts read on the host and its agreement collectives branch on what they read;
+    - its top-k bias update sums loads over the data-parallel ranks (a collective in the forward);
+    - tp > 1: the layer's tensor-parallel input and output steps are not tested traced;
+    - it is activation-checkpointed: the layer's python side effects (its pending loss, the
+      top-k bias update) cannot sit inside a traced checkpoint, and eager, the layer sees the
+      re-run in backward and skips them there."""
+    ff = block.feed_forward
+    summed = getattr(ff, "router", None) is not None and getattr(ff.router, "sum_over_ranks", None) is not None
+    summed = summed and ff.router.config.bias_update_rate > 0
+    if isinstance(ff, MoE) and (ff.parallel is not None or summed or tp > 1 or checkpointed):
         for part in (block.attention_norm, block.attention, block.ffn_norm):
             part.compile(**options)
     else:
@@ -245,7 +256,8 @@ def parallelize_llama(
             `torch.distributed.tensor.parallel.loss_parallel`).
         activation_checkpoint: re-run each block's forward in backward.
         compile: torch.compile each block (True: ``fullgraph=True``; a dict: torch.compile's
-            options); an MoE block's MoE layer stays eager (see `_compile_block`).
+            options); an MoE block compiles whole on one rank's experts; expert-parallel,
+            tensor-parallel or checkpointed, its MoE layer stays eager (see `_compile_block`).
         mp_policy: FSDP2's `MixedPrecisionPolicy` (e.g. bf16 params, fp32 reductions on GPU).
         static_splits, global_base: passed to `parallelize_moe`.
 
@@ -287,7 +299,8 @@ def parallelize_llama(
         if activation_checkpoint:
             _checkpointed(block)
         if compile:
-            _compile_block(block, {"fullgraph": True} if compile is True else dict(compile))
+            options = {"fullgraph": True} if compile is True else dict(compile)
+            _compile_block(block, options, checkpointed=activation_checkpoint, tp=tp)
     kw = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     for block in model.layers.values():
         ff = block.feed_forward

@@ -14,6 +14,22 @@ from .result import RoutingResult, routing_stats
 
 __all__ = ["BaseRouter"]
 
+_SOLVERS = (balanced_assignment, balanced_assignment_approx)
+
+
+@torch.library.custom_op("moe::base_assign", mutates_args=())
+def _base_assign(scores_TE: Tensor, k: int, max_iters: int, approx: bool, extras: str) -> Tensor:
+    """The BASE training assignment as one op, so torch.compile keeps it whole:
+    (T, E) scores -> (T, K) int64 experts; ``max_iters`` -1 takes the solver's default."""
+    solver = balanced_assignment_approx if approx else balanced_assignment
+    options = {"extras": extras} if max_iters < 0 else {"extras": extras, "max_iters": max_iters}
+    return solver(scores_TE, k, **options)
+
+
+@_base_assign.register_fake
+def _(scores_TE: Tensor, k: int, max_iters: int, approx: bool, extras: str) -> Tensor:
+    return scores_TE.new_empty((scores_TE.shape[0], k), dtype=torch.int64)
+
 
 class BaseRouter(GatedRouter):
     """Routes by token-centroid affinity s = x @ centroids.T (fp32).
@@ -63,14 +79,22 @@ class BaseRouter(GatedRouter):
             options = {"extras": cfg.base_extras}
             if cfg.base_max_iters is not None:
                 options["max_iters"] = cfg.base_max_iters
-            idx_TK = self.assign(logits_TE.detach(), cfg.top_k, **options)
+            if torch.compiler.is_compiling() and self.assign in _SOLVERS:
+                # the solver runs numpy on the host: opaque to the tracer, a custom op with a fake
+                approx = self.assign is balanced_assignment_approx
+                max_iters = -1 if cfg.base_max_iters is None else cfg.base_max_iters
+                idx_TK = torch.ops.moe.base_assign(logits_TE.detach(), cfg.top_k, max_iters, approx, cfg.base_extras)
+            else:
+                idx_TK = self.assign(logits_TE.detach(), cfg.top_k, **options)
         else:
             idx_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices
         weights_TK = torch.sigmoid(logits_TE.gather(1, idx_TK))
         counts_E = bincount(idx_TK, cfg.num_experts)
         probs_TE = logits_TE.softmax(dim=-1)
         aux_loss, z_loss = router_losses(cfg, logits_TE, probs_TE, idx_TK, seq_len)
-        stats = routing_stats(counts_E, idx_TK.numel(), 0, probs_TE) if self.host_syncs else None
+        stats = None  # plain floats need host reads: none without them, nor in a compiled graph
+        if self.host_syncs and not torch.compiler.is_compiling():
+            stats = routing_stats(counts_E, idx_TK.numel(), 0, probs_TE)
         return RoutingResult(
             expert_idx=idx_TK, weights=weights_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )

@@ -25,7 +25,12 @@ __all__ = [
 
 def in_backward() -> bool:
     """True while autograd runs a backward pass: a forward called now is activation checkpointing
-    re-running it, and must neither repeat its side effects nor route differently."""
+    re-running it, and must neither repeat its side effects nor route differently.
+
+    False while torch.compile traces: the answer would be baked into the graph, so a compiled
+    MoE layer must not be activation-checkpointed (docs/training.md)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -57,6 +62,9 @@ def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True, values: boo
     if not values:
         return
     # a NaN would otherwise pass silently through topk and pick arbitrary experts
+    if torch.compiler.is_compiling():  # a traced graph cannot branch on a value, nor format a symbolic shape
+        torch._assert_async(torch.isfinite(x_TD).all(), "x must be finite: found NaN or Inf")
+        return
     what = f"x must be finite: found NaN or Inf in a tensor of shape {tuple(x_TD.shape)}"
     if not host_check:
         torch._assert_async(torch.isfinite(x_TD).all(), what)
@@ -74,6 +82,10 @@ def check_logits(logits_TE: Tensor, x_TD: Tensor, *, host_check: bool = True) ->
 
     ``host_check=False`` checks without a host sync (``torch._assert_async``: a RuntimeError
     on CPU, a device-side assert on CUDA) for callers that promise none."""
+    if torch.compiler.is_compiling():  # a traced graph cannot branch on a value, nor format a symbolic shape
+        what = "x must be finite: found NaN or Inf in x or in its fp32 router logits"
+        torch._assert_async(torch.isfinite(logits_TE).all(), what)
+        return
     shape = tuple(x_TD.shape)
     if not host_check:
         what = f"x must be finite: found NaN or Inf in x of shape {shape} or in its fp32 router logits"

@@ -63,8 +63,9 @@ class ExpertChoiceRouter(GatedRouter):
         if cfg.z_loss_coef > 0:
             z_loss = z_loss + cfg.z_loss_coef * router_z_loss(logits_TE)
         counts_E = taken_ET.sum(dim=1)
-        untouched = int((~taken_TE.any(dim=1)).sum())
-        stats = routing_stats(counts_E, num_tokens, untouched, probs_TE)
+        stats = None  # plain floats need host reads, which a compiled graph cannot make
+        if not torch.compiler.is_compiling():
+            stats = routing_stats(counts_E, num_tokens, int((~taken_TE.any(dim=1)).sum()), probs_TE)
         return RoutingResult(
             expert_idx=idx_TE, weights=weights_TE, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )

@@ -52,7 +52,8 @@ class RoutingResult:
     counts: Tensor  # (E,) int64, tokens routed to each expert (dropped slots excluded)
     aux_loss: Tensor = field(default_factory=lambda: torch.zeros(()))  # scalar load-balancing loss
     z_loss: Tensor = field(default_factory=lambda: torch.zeros(()))  # scalar router z-loss
-    stats: RoutingStats | None = None  # balance metrics, see `RoutingStats`
+    # balance metrics, see `RoutingStats`; None where they would need host reads (sync-free BASE, torch.compile)
+    stats: RoutingStats | None = None
 
     def __post_init__(self) -> None:
         idx, w, c = self.expert_idx, self.weights, self.counts

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import GatedRouter, check_seq_len, router_losses
+from .common import GatedRouter, bincount, check_seq_len, router_losses
 from .result import RoutingResult, routing_stats
 
 __all__ = ["SinkhornRouter", "sinkhorn"]
@@ -97,8 +97,8 @@ class SinkhornRouter(GatedRouter):
 
         probs_TE = logits_TE.softmax(dim=-1)
         aux_loss, z_loss = router_losses(cfg, logits_TE, probs_TE, idx_TK, seq_len)
-        counts_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts)
-        stats = routing_stats(counts_E, num_tokens * k, 0, probs_TE)
+        counts_E = bincount(idx_TK, num_experts)  # no output size read back (torch.compile)
+        stats = None if torch.compiler.is_compiling() else routing_stats(counts_E, num_tokens * k, 0, probs_TE)
         return RoutingResult(
             expert_idx=idx_TK, weights=gates_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import GatedRouter, check_seq_len, drop_by_score, in_backward, router_losses
+from .common import GatedRouter, bincount, check_seq_len, drop_by_score, in_backward, router_losses
 from .config import RouterConfig
 from .result import RoutingResult, routing_stats
 
@@ -92,9 +92,15 @@ class TopKRouter(GatedRouter):
             keep_TK = drop_by_score(idx_TK, gates_TK.detach(), num_experts, capacity)
             idx_TK = torch.where(keep_TK, idx_TK, -1)
             gates_TK = torch.where(keep_TK, gates_TK, torch.zeros_like(gates_TK))
-        kept = idx_TK[idx_TK >= 0]
-        counts_E = torch.bincount(kept, minlength=num_experts)
-        stats = routing_stats(counts_E, num_tokens * k, num_tokens * k - kept.numel(), probs_TE)
+            # no boolean-mask select: its data-dependent size would break a torch.compile graph
+            valid_N = keep_TK.reshape(-1).long()
+            counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_TK.device)
+            counts_E = counts_E.index_add_(0, idx_TK.reshape(-1).clamp(min=0), valid_N)
+        else:
+            counts_E = bincount(idx_TK, num_experts)
+        stats = None  # plain floats need host reads, which a compiled graph cannot make
+        if not torch.compiler.is_compiling():
+            stats = routing_stats(counts_E, num_tokens * k, num_tokens * k - counts_E.sum(), probs_TE)
         return RoutingResult(
             expert_idx=idx_TK, weights=gates_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )

@@ -215,6 +215,19 @@ def test_dense_block_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled(x, model.rope), block(x, model.rope), rtol=0, atol=0)
 
 
+def test_moe_block_compiles_without_graph_breaks():
+    from moe import aux_loss
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_name("tiny"))
+    block = next(b for b in model.layers.values() if b.is_moe)
+    x = torch.randn(2, 8, 64)
+    compiled = torch.compile(block, backend="eager", fullgraph=True)  # tracing only: fast on CPU
+    y_c, aux_c = compiled(x, model.rope), aux_loss(block)
+    torch.testing.assert_close(y_c, block(x, model.rope), rtol=0, atol=0)
+    torch.testing.assert_close(aux_c, aux_loss(block), rtol=0, atol=0)
+
+
 def test_presets_table_lists_every_preset_with_its_counts():
     from moe.models.llama.__main__ import presets_table
 

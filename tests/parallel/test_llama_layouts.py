@@ -169,8 +169,9 @@ def test_router_loss_attached_once():
 
 
 def compiled_and_checkpointed(rank, world, store):
-    """One rank: compile (fullgraph for the dense blocks, so a graph break fails) and activation
-    checkpointing give the eager model's loss and gradients."""
+    """One rank: compile (fullgraph, so a graph break fails: whole blocks, the MoE ones too),
+    activation checkpointing, and both (the MoE layer then stays eager) give the eager model's
+    loss and gradients."""
     from moe.parallel import llama_loss, parallelize_llama
 
     init(rank, world, store)
@@ -179,16 +180,28 @@ def compiled_and_checkpointed(rank, world, store):
     eager = L.build(cfg)
     llama_loss(eager, eager(tokens), targets).backward()
     mesh = _mesh((1,), ("dp_shard",))
-    for options in (dict(compile={"backend": "aot_eager", "fullgraph": True}), dict(activation_checkpoint=True)):
+    traced = {"backend": "aot_eager", "fullgraph": True}
+    both = dict(compile=traced, activation_checkpoint=True)
+    for options in (dict(compile=traced), dict(activation_checkpoint=True), both):
+        torch._dynamo.reset()  # each model compiles the blocks' forwards anew
         model = parallelize_llama(L.build(cfg), mesh, **options)
         calls = []
-        model.layers["0"].attention.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        # a side effect in a checkpoint traced whole would fail: with both, watch the MoE block
+        # (checkpointed eagerly, its attention compiled)
+        watched = next(b for b in model.layers.values() if b.is_moe) if options is both else model.layers["0"]
+        watched.attention.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         loss = llama_loss(model, model(tokens), targets)
         loss.backward()
         expect = {n: p.grad for n, p in eager.named_parameters()}
         L.check_params(f"{options} gradient of", {n: p.grad for n, p in model.named_parameters()}, expect)
-        compiled = getattr(model.layers["0"], "_compiled_call_impl", None) is not None
-        assert compiled == ("compile" in options), options
+        for block in model.layers.values():
+            whole = getattr(block, "_compiled_call_impl", None) is not None
+            parts = getattr(block.attention, "_compiled_call_impl", None) is not None
+            if block.is_moe and options is both:  # a checkpointed MoE block: attention and norms only
+                assert not whole and parts, options
+            else:
+                assert whole == ("compile" in options) and not parts, options
+        assert any(block.is_moe for block in model.layers.values())
         assert len(calls) == (2 if "activation_checkpoint" in options else 1), (options, calls)  # re-run in backward
 
 
