@@ -27,7 +27,15 @@ from torch import nn
 from ..config import MoEConfig
 from ..layer import MoE, aux_loss
 
-__all__ = ["export_mixtral", "from_mixtral", "load_pretrained", "moeify", "save_pretrained", "to_mixtral"]
+__all__ = [
+    "export_mixtral",
+    "from_mixtral",
+    "load_pretrained",
+    "mixtral_inexpressible",
+    "moeify",
+    "save_pretrained",
+    "to_mixtral",
+]
 
 _MOE_FILE = "moe_layers.json"  # {decoder layer index: MoEConfig fields}
 
@@ -79,11 +87,17 @@ def from_mixtral(block: nn.Module) -> MoE:
     return layer
 
 
-def _mixtral_inexpressible(layer: MoE) -> list[str]:
+def mixtral_inexpressible(layer: MoE) -> list[str]:
+    """What of ``layer`` transformers' Mixtral block cannot express, in words (empty: nothing)."""
     cfg, rc = layer.config, layer.config.router_config()
     problems = []
     if cfg.router != "topk":
-        problems.append(f"router={cfg.router!r} (Mixtral routes by top-k)")
+        what = {
+            "base": "BASE's balanced assignment",
+            "sinkhorn": "Sinkhorn's balanced training routing",
+            "expert_choice": "expert choice (experts pick tokens)",
+        }[cfg.router]
+        problems.append(f"router={cfg.router!r}: {what} has no Mixtral counterpart (Mixtral routes by softmax top-k)")
     if rc.score_func != "softmax":
         problems.append(f"score_func={rc.score_func!r} (Mixtral uses softmax scores)")
     if not rc.renormalize:
@@ -111,7 +125,7 @@ def to_mixtral(layer: MoE) -> nn.Module:
     mm = _transformers()
     if not isinstance(layer, MoE):
         raise ValueError(f"layer must be a moe.MoE, got {type(layer).__name__}")
-    problems = _mixtral_inexpressible(layer)
+    problems = mixtral_inexpressible(layer)
     if problems:
         raise ValueError("this MoE cannot be expressed as a Mixtral block: " + "; ".join(problems))
     cfg = layer.config
@@ -256,7 +270,7 @@ def export_mixtral(model: nn.Module) -> nn.Module:
     if getattr(src, "attention_bias", False) or getattr(src, "mlp_bias", False):
         raise ValueError("Mixtral has no attention or MLP biases; this model uses them")
     moe_cfg = decoder[0].mlp.config
-    problems = _mixtral_inexpressible(decoder[0].mlp)
+    problems = mixtral_inexpressible(decoder[0].mlp)
     if problems:
         raise ValueError("this model's MoE layers cannot be expressed in Mixtral: " + "; ".join(problems))
     hf_config = mm.MixtralConfig(

@@ -29,38 +29,22 @@ _HINT = "pip install 'moe[hf]'"
 
 
 def mixtral_blockers(model: Llama) -> list[str]:
-    """What in this model Mixtral's routing cannot express (empty: it can)."""
+    """What in this model Mixtral's routing cannot express (empty: it can): dense layers, and
+    for each MoE layer what `moe.adapters.hf.to_mixtral` would refuse (a learned selection bias
+    included)."""
+    from ..adapters.hf import mixtral_inexpressible
+
     cfg = model.config
     out = []
     dense = [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]
     if dense:
         out.append(f"layers {dense} are dense and Mixtral has an MoE in every layer")
-    m = cfg.moe
-    ro = m.router_config()
-    if m.router != "topk":
-        what = {
-            "base": "BASE's balanced assignment and its sigmoid residual mix",
-            "sinkhorn": "Sinkhorn's balanced training routing",
-            "expert_choice": "expert choice (experts pick tokens)",
-        }[m.router]
-        out.append(f"router={m.router!r}: {what} has no Mixtral counterpart (Mixtral: softmax top-k)")
-    else:
-        if ro.score_func != "softmax":
-            out.append(f"score_func={ro.score_func!r} (Mixtral's scores are a softmax)")
-        if not ro.renormalize:
-            out.append("renormalize=False (Mixtral renormalises the top-k gates)")
-        if ro.n_groups != 1:
-            out.append(f"group-limited routing (n_groups={ro.n_groups})")
-        biased = [k for k, b in model.layers.items() if b.is_moe and bool(b.feed_forward.router.bias.abs().max() > 0)]
-        if biased:
-            out.append(f"layers {biased} select with a learned bias (aux-loss-free balancing), Mixtral has none")
-    if m.capacity_factor is not None:
-        out.append(f"capacity_factor={m.capacity_factor} drops tokens, Mixtral is dropless")
-    if m.num_shared_experts:
-        out.append(f"{m.num_shared_experts} shared experts")
-    if m.activation != "swiglu":
-        out.append(f"activation={m.activation!r} (Mixtral's experts are SwiGLU)")
-    return out
+    layers_of: dict[str, list[int]] = {}  # each problem once, with the MoE layers it is found in
+    for block in model.layers.values():
+        if block.is_moe:
+            for problem in mixtral_inexpressible(block.feed_forward):
+                layers_of.setdefault(problem, []).append(block.layer_id)
+    return out + [f"{problem} in MoE layers {ids}" for problem, ids in layers_of.items()]
 
 
 def _mixtral_config(model: Llama):
