@@ -45,4 +45,4 @@ def test_activation_estimate_against_saved_tensors(layer):
     estimate = 2 * layer_activation_elems(cfg, Layout(), layer, 2 * 256)
     print(f"\n{'moe' if block.is_moe else 'dense'} block: saved {measured} B, planner {estimate} B, "
           f"ratio {measured / estimate:.3f}")  # fmt: skip
-    assert 1.0 <= measured / estimate <= 1.4
+    assert estimate <= measured <= 1.4 * estimate  # a lower bound, within 40%
