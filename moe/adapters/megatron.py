@@ -26,13 +26,16 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import MoEConfig
 from ..layer import MoE, aux_loss
+from ..parallel import parallelize_moe
 
 try:
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.spec_utils import ModuleSpec
 except ImportError as err:  # optional dependency: say how to get it
@@ -154,30 +157,123 @@ class MegatronMoE(nn.Module):
     """Our `MoE` in the MLP slot of a Megatron transformer layer: ``forward(hidden_states)``
     takes [s, b, h] ([s/tp, b, h] under sequence parallelism) and returns ``(output, None)``.
 
-    - Sequence parallel: the tokens are gathered from the sequence-parallel region and the
-      output reduce-scattered back with Megatron's own mappings, so the residual stream keeps
-      Megatron's layout; every tp rank routes the same tokens with replicated weights, and
-      the reduce-scatter's sum is divided by tp to keep one copy.
+    Megatron's process groups come from ``pg_collection`` when Megatron passes one (newer
+    versions), else from its ``parallel_state``:
+
+    - Expert parallelism (expert-model-parallel size > 1) and expert-tensor parallelism
+      (expert-tensor-parallel size > 1; Megatron's default is the tp size) go to
+      `moe.parallel.parallelize_moe` over a mesh of Megatron's expert-parallel and
+      expert-tensor-parallel groups: each rank routes its own tokens, our dispatcher sends the
+      rows to the ranks that own their experts, each expert's hidden dim is split over etp.
+      The expert weights stay plain tensors holding this rank's shard, marked
+      ``allreduce=False`` as Megatron marks its own experts, so Megatron's DDP reduces their
+      gradients over the expert-data-parallel group only. This needs distinct tokens on every
+      rank: tp = 1, or sequence parallelism.
+    - Without them, the experts are replicated. Under sequence parallelism the tokens are
+      gathered from the sequence-parallel region and the output reduce-scattered back with
+      Megatron's own mappings, so the residual stream keeps Megatron's layout; every tp rank
+      routes the same tokens and the reduce-scatter's sum is divided by tp to keep one copy.
+    - Under sequence parallelism every parameter that is not an expert shard is marked
+      ``sequence_parallel`` (as Megatron marks its router), so Megatron's
+      ``finalize_model_grads`` sums its gradient over the tp ranks, which each saw a part.
     - Router losses reach the loss through Megatron's ``MoEAuxLossAutoScaler`` on the output,
-      as Megatron's own MoE does (its scale is set by Megatron's training loop, also under PP).
+      as Megatron's own MoE does (its scale is set by Megatron's schedules, also under PP).
     """
 
-    def __init__(self, config, moe: MoEConfig | None = None, **_ignored) -> None:
+    def __init__(self, config, moe: MoEConfig | None = None, *, pg_collection=None, **_ignored) -> None:
         super().__init__()
         self.config = config  # Megatron's TransformerConfig
         self.moe = MoE(moe if moe is not None else moe_config_from_megatron(config))
+        groups = _megatron_groups(pg_collection)
+        self.tp_group = groups["tp"]
+        tp, ep, etp = (dist.get_world_size(groups[k]) for k in ("tp", "ep", "expt_tp"))
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and tp > 1
+        self.expert_parallel = ep > 1 or etp > 1
+        if self.expert_parallel:
+            _check_expert_layout(self.moe.config, tp, ep, etp, self.sequence_parallel)
+            parallelize_moe(self.moe, _expert_mesh(groups, ep, etp), ep="ep", etp="etp" if etp > 1 else None)
+            for name in ("w1", "w3", "w2"):  # Megatron's DDP and optimizer take plain tensors
+                w = getattr(self.moe.experts, name)
+                if w is not None:
+                    local = nn.Parameter(w.to_local().detach().clone(), requires_grad=w.requires_grad)
+                    local.allreduce = False  # Megatron's mark of an expert-parallel parameter
+                    setattr(self.moe.experts, name, local)
+        if self.sequence_parallel:
+            for name, p in self.moe.named_parameters():
+                if not (self.expert_parallel and name.startswith("experts.")):
+                    p.sequence_parallel = True
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
-        sp = bool(getattr(self.config, "sequence_parallel", False))
-        x = tensor_parallel.gather_from_sequence_parallel_region(hidden_states) if sp else hidden_states
+        gather = self.sequence_parallel and not self.expert_parallel
+        x = (
+            tensor_parallel.gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
+            if gather
+            else hidden_states
+        )
         y = self.moe(x.transpose(0, 1)).transpose(0, 1)  # routed as [b, s, h] for per-sequence routers
         loss = aux_loss(self.moe)
+        if gather:  # every tp rank routed the same tokens: count their loss once over the tp sum
+            loss = loss / dist.get_world_size(self.tp_group)
         if loss.requires_grad and torch.is_grad_enabled():
             y = MoEAuxLossAutoScaler.apply(y, loss)
-        if sp:
-            tp = self.config.tensor_model_parallel_size
-            y = tensor_parallel.reduce_scatter_to_sequence_parallel_region(y / tp)
+        if gather:
+            y = y / dist.get_world_size(self.tp_group)
+            y = tensor_parallel.reduce_scatter_to_sequence_parallel_region(y, group=self.tp_group)
         return y.contiguous(), None
+
+
+def _megatron_groups(pg_collection) -> dict:
+    """Megatron's tp, ep, expert-tp and expert-tp x ep groups, from ``pg_collection`` or, when
+    Megatron passes none (0.16 does not for a custom MLP), from ``parallel_state``."""
+    names = ("tp", "ep", "expt_tp", "tp_ep")
+    if pg_collection is not None and all(getattr(pg_collection, n, None) is not None for n in names):
+        return {n: getattr(pg_collection, n) for n in names}
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError(
+            "MegatronMoE needs Megatron's process groups: call parallel_state.initialize_model_parallel "
+            "first, or pass a pg_collection with tp, ep, expt_tp and tp_ep groups"
+        )
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "ep": parallel_state.get_expert_model_parallel_group(),
+        "expt_tp": parallel_state.get_expert_tensor_parallel_group(),
+        "tp_ep": parallel_state.get_expert_tensor_and_model_parallel_group(),
+    }
+
+
+def _check_expert_layout(cfg: MoEConfig, tp: int, ep: int, etp: int, sequence_parallel: bool) -> None:
+    if cfg.num_experts % ep:
+        raise ValueError(
+            f"num_experts={cfg.num_experts} must be divisible by Megatron's expert_model_parallel_size={ep}"
+        )
+    if cfg.hidden_dim % etp:
+        raise ValueError(
+            f"the experts' hidden_dim={cfg.hidden_dim} must be divisible by Megatron's "
+            f"expert_tensor_parallel_size={etp}"
+        )
+    if tp > 1 and not sequence_parallel:
+        raise ValueError(
+            f"expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} with "
+            f"tensor_model_parallel_size={tp} needs sequence_parallel=True (each rank must route its own "
+            "tokens, as Megatron-LM requires for MoE with tensor parallelism); or set "
+            "expert_model_parallel_size=1 and expert_tensor_parallel_size=1 to replicate the experts"
+        )
+
+
+def _expert_mesh(groups: dict, ep: int, etp: int) -> DeviceMesh:
+    """A DeviceMesh ("ep", "etp") of Megatron's expert-tensor x expert-parallel group: every rank
+    tells the group its (ep, etp) coordinates, so the mesh follows Megatron's rank order."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    tp_ep = groups["tp_ep"]
+    me = torch.tensor(
+        [dist.get_rank(groups["ep"]), dist.get_rank(groups["expt_tp"]), dist.get_rank()], device=device_type
+    )
+    everyone = [torch.empty_like(me) for _ in range(dist.get_world_size(tp_ep))]
+    dist.all_gather(everyone, me, group=tp_ep)
+    mesh = torch.empty(ep, etp, dtype=torch.long)
+    for ep_rank, etp_rank, rank in (t.tolist() for t in everyone):
+        mesh[ep_rank, etp_rank] = rank
+    return DeviceMesh.from_group([groups["ep"], groups["expt_tp"]], device_type, mesh, mesh_dim_names=("ep", "etp"))
 
 
 def moe_module_spec(moe: MoEConfig | None = None) -> ModuleSpec:

@@ -1,0 +1,238 @@
+"""A tiny Megatron-core GPT with our MoE in every second MLP, trained one step under Megatron's
+own layouts (its parallel_state, TP layers, DDP, schedules, finalize_model_grads) and compared
+with the same model in one process. Run by tests/adapters/test_megatron.py in one 2-rank launch.
+
+Legend: s sequence, b micro-batch size, h hidden size, E experts, F expert hidden dim,
+n microbatches in the step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+S, B, H, HEADS, FF, VOCAB, E, K, LAYERS, N_MICRO = 8, 2, 16, 2, 24, 64, 4, 2, 4, 2
+AUX = 0.05  # aux-loss coefficient: the router losses must reach the gradients
+RTOL = 1e-5  # fp32; absolute allowance RTOL * max|reference| per tensor
+
+
+def _transformer_config(*, tp: int = 1, pp: int = 1, sp: bool = False, aux: float = AUX):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FF,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=E,  # read by Megatron's schedules: they then set the aux-loss scale
+        moe_router_topk=K,
+        moe_ffn_hidden_size=FF,
+        moe_aux_loss_coeff=aux,
+        # the fused kernels Megatron would pick need CUDA; these are its unfused paths
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+    )
+
+
+def build_gpt(config):
+    """This pipeline stage's part of the GPT: local spec, our MoE in layers 2 and 4."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from moe.adapters.megatron import moe_config_from_megatron, moe_module_spec
+    from tests.adapters.megatron_cpu import LayerNorm
+
+    dense, moe = get_gpt_layer_local_spec(), get_gpt_layer_local_spec()
+    moe.submodules.mlp = moe_module_spec(moe_config_from_megatron(config, backend="torch"))
+    for spec in (dense, moe):
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = LayerNorm
+    layers = [moe if i % 2 else dense for i in range(LAYERS)]
+    offset = get_transformer_layer_offset(config)
+    spec = TransformerBlockSubmodules(
+        layer_specs=layers[offset : offset + get_num_layers_to_build(config)], layer_norm=LayerNorm
+    )
+    torch.manual_seed(0)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=S,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+
+
+def batches() -> list[torch.Tensor]:
+    """The step's n microbatches of token ids, (b, s + 1) each (inputs and shifted labels)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (B, S + 1), generator=g) for _ in range(N_MICRO)]
+
+
+def _forward_step(data_iterator, model):
+    ids = next(data_iterator)
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]  # True: masked out
+    pos = torch.arange(S).expand(B, S)
+    out = model(ids[:, :-1], pos, mask, labels=ids[:, 1:])  # [b, s] losses on the last stage
+
+    def loss_func(losses):
+        loss = losses.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+
+    return out, loss_func
+
+
+def train_step(model, micro: list[torch.Tensor], *, pp: int = 1) -> list[torch.Tensor]:
+    """One forward/backward over ``micro`` with Megatron's schedule; the per-microbatch
+    losses on the last stage (empty elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    out = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(micro),
+        model=[model],
+        num_microbatches=len(micro),
+        seq_length=S,
+        micro_batch_size=B,
+        forward_only=False,
+    )
+    return [d["lm loss"] for d in out]
+
+
+def _one_process(aux: float):
+    model = build_gpt(_transformer_config(aux=aux))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = train_step(model, batches())
+    return weights, losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference():
+    """The one-process run: tp = pp = ep = 1, all n microbatches; no collective runs (the
+    data-parallel ranks of the 2-rank world are not synchronised: no DDP here). Returns the
+    full weights, the losses and the gradients by name.
+
+    Checks that the router losses reach the router gradients through Megatron's aux-loss
+    scaler, whose scale Megatron's schedule sets (1 / n): without them (coefficient 0) the
+    gradients differ by far more than the tolerance of the layout comparisons."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        ref = _one_process(AUX)
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale.item() == 1 / N_MICRO
+        _, losses, grads = _one_process(0.0)
+    finally:
+        parallel_state.destroy_model_parallel()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref[1]), rtol=0, atol=0)  # lm loss only
+    for name in ("decoder.layers.1.mlp.moe.router.weight", "decoder.layers.3.mlp.moe.router.weight"):
+        diff = (ref[2][name] - grads[name]).abs().max()
+        assert diff > 100 * RTOL * ref[2][name].abs().max(), f"{name}: the aux loss changed its grad by {diff}"
+    return ref
+
+
+def _global_name(model, name: str) -> str:
+    """A stage's parameter name -> the one-process name (pipeline stages number their layers
+    from 0; ``layer_number`` is the global, 1-based one)."""
+    if not name.startswith("decoder.layers."):
+        return name
+    i, rest = name[len("decoder.layers.") :].split(".", 1)
+    return f"decoder.layers.{model.decoder.layers[int(i)].layer_number - 1}.{rest}"
+
+
+def _shard(name: str, param, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the one-process tensor ``full`` for ``param``: Megatron's TP layers
+    split dim ``partition_dim`` (0 for ColumnParallel, 1 for RowParallel) with the gated fc1
+    holding its rank's block of the gate and of the up projection; our expert shards hold
+    experts [r*E/ep, (r+1)*E/ep) and, under etp, their block of F."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(param, "allreduce", True) is False:  # one of our expert shards
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        full = full.chunk(ep, dim=0)[ps.get_expert_model_parallel_rank()]
+        hidden = 1 if name.endswith("w2") else 2
+        return full.chunk(etp, dim=hidden)[ps.get_expert_tensor_parallel_rank()]
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if name.endswith("mlp.linear_fc1.weight"):  # [gate; up] -> [gate_r; up_r]
+        return torch.cat([half.chunk(tp, dim=0)[rank] for half in full.chunk(2, dim=0)])
+    return full.chunk(tp, dim=param.partition_dim)[rank]
+
+
+def run_layout(ref, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool = False):
+    """Train one step under the layout, check loss and every gradient against ``ref``; returns
+    how many tensors were compared."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    weights, ref_losses, ref_grads = ref
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    try:
+        config = _transformer_config(tp=tp, pp=pp, sp=sp)
+        model = build_gpt(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(_shard(name, p, weights[_global_name(model, name)]))
+        config.finalize_model_grads_func = finalize_model_grads
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        micro = batches()[dp_rank::dp]  # data parallel: rank r takes every dp-th microbatch
+        losses = train_step(ddp, micro, pp=pp)
+        label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp}"
+        if parallel_state.is_pipeline_last_stage():
+            want = torch.stack(ref_losses[dp_rank::dp])
+            torch.testing.assert_close(
+                torch.stack(losses), want, rtol=RTOL, atol=0, msg=f"{label}: losses {losses} {want}"
+            )
+        shards = [p for p in model.parameters() if getattr(p, "allreduce", True) is False]
+        assert all(p.shape[0] == E // ep for p in shards) and (len(shards) > 0) == (ep * (etp or tp) > 1), label
+        checked = 0
+        for name, p in model.named_parameters():
+            want = _shard(name, p, ref_grads[_global_name(model, name)])
+            got = p.main_grad
+            torch.testing.assert_close(
+                got, want, rtol=RTOL, atol=RTOL * want.abs().max().item(), msg=lambda m, n=name: f"{label}: {n}: {m}"
+            )
+            checked += 1
+        return checked
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+LAYOUTS = [
+    dict(tp=2, etp=1),  # TP2, experts replicated (Megatron without SP routes the same tokens on every tp rank)
+    dict(tp=2, sp=True),  # TP2 + SP, Megatron's default etp = tp: experts' F split over the tp ranks
+    dict(tp=2, sp=True, etp=1),  # TP2 + SP, experts replicated: gathered from the SP region
+    dict(pp=2),  # PP2, 1F1B over two microbatches
+    dict(ep=2),  # EP2 over the two data-parallel ranks
+]
+
+
+def layouts(rank, world, store, which):
+    from tests.adapters import megatron_cpu
+    from tests.parallel import launch
+
+    launch.init(rank, world, store)
+    megatron_cpu.install()
+    ref = reference()
+    for i in which:
+        assert run_layout(ref, **LAYOUTS[i]) > 0
