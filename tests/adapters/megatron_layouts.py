@@ -227,6 +227,34 @@ LAYOUTS = [
 ]
 
 
+def groups_and_bad_layouts() -> None:
+    """Our MoE takes Megatron's groups from a ``pg_collection`` (newer Megatron passes one):
+    it builds and runs with parallel_state torn down. Layouts it cannot run raise on every
+    rank alike, before any collective, naming the setting."""
+    import pytest
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from moe.adapters.megatron import MegatronMoE, moe_config_from_megatron
+
+    config = _transformer_config()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "ep", "expt_tp", "tp_ep"])
+    with pytest.raises(ValueError, match="num_experts=3 must be divisible by Megatron's expert_model_parallel_size=2"):
+        MegatronMoE(config, moe_config_from_megatron(config, num_experts=3))
+    parallel_state.destroy_model_parallel()
+    layer = MegatronMoE(config, moe_config_from_megatron(config, backend="torch"), pg_collection=pg)
+    assert layer.moe.experts.w1.shape[0] == E // 2 and layer.moe.parallel is not None
+    y, bias = layer(torch.randn(S, B, H))
+    assert bias is None and y.shape == (S, B, H)
+    parallel_state.initialize_model_parallel(2, 1)  # Megatron's default etp = tp = 2, without SP
+    try:
+        with pytest.raises(ValueError, match="tensor_model_parallel_size=2 needs sequence_parallel=True"):
+            MegatronMoE(_transformer_config(tp=2), moe_config_from_megatron(config))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def layouts(rank, world, store, which):
     from tests.adapters import megatron_cpu
     from tests.parallel import launch
@@ -236,3 +264,4 @@ def layouts(rank, world, store, which):
     ref = reference()
     for i in which:
         assert run_layout(ref, **LAYOUTS[i]) > 0
+    groups_and_bad_layouts()

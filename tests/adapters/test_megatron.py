@@ -1,5 +1,6 @@
-"""Megatron-core: weight conversion against a real Megatron ``MoELayer`` built on CPU, and our
-layer in its MLP slot at TP1 (Megatron's forward itself needs CUDA: see docs/adapters.md)."""
+"""Megatron-core: weight conversion against a real Megatron ``MoELayer`` built on CPU, our
+layer in its MLP slot, and a Megatron GPT with our MoE under TP, SP, PP and EP against one
+process (tests/adapters/megatron_layouts.py; CPU shims in tests/adapters/megatron_cpu.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from tests.adapters import megatron_layouts  # noqa: E402
 from tests.parallel import launch  # noqa: E402
 
 D, FF, E, K = 16, 24, 4, 2
@@ -120,3 +122,11 @@ def _slot(rank, world, store):
 @pytest.mark.distributed
 def test_megatron_mlp_slot_returns_output_and_no_bias_with_the_aux_loss_scaled():
     launch.spawn(_slot, 1)
+
+
+@pytest.mark.distributed
+def test_megatron_gpt_layouts_give_the_one_process_loss_and_gradients():
+    """One 2-rank launch: TP2, TP2+SP (experts split over etp = tp, and replicated), PP2 (1F1B)
+    and EP2 give the one-process losses and every gradient (fp32, rtol 1e-5), router losses
+    included; then the pg_collection path and the layouts that must raise."""
+    launch.spawn(megatron_layouts.layouts, 2, list(range(len(megatron_layouts.LAYOUTS))))
