@@ -3,6 +3,11 @@ against torchtitan's own MoE, same shape and routing (softmax top-k), forward + 
 median of several repeats in one run. Needs the torchtitan extra.
 
     python -m benchmarks.adapters [--tokens 2048 --dim 256 --hidden 512 --experts 8 --top-k 2]
+
+``--megatron``: the same for Megatron-core's MLP slot, our MoE (`moe.adapters.megatron`)
+against Megatron's own ``MoELayer`` (needs the megatron extra). Megatron's MoE assumes CUDA in
+a few places; the test-only CPU shims of tests/adapters/megatron_cpu.py are imported for it
+(run from the repository root).
 """
 
 from __future__ import annotations
@@ -74,6 +79,62 @@ def _time(modules: list[nn.Module], x: torch.Tensor, repeats: int) -> list[float
     return [statistics.median(ts) for ts in times]
 
 
+def _megatron_slots(dim: int, hidden: int, experts: int, top_k: int):
+    """Megatron's MoELayer (softmax top-k, SequentialMLP experts: its GroupedMLP needs the
+    grouped_gemm package, its alltoall dispatcher a CUDA stream) and our MoE in the same slot."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from tests.adapters import megatron_cpu
+
+    megatron_cpu.install()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe.adapters.megatron import moe_module_spec
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=dim,
+        num_attention_heads=2,
+        ffn_hidden_size=hidden,
+        num_moe_experts=experts,
+        moe_router_topk=top_k,
+        moe_ffn_hidden_size=hidden,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    theirs = MoELayer(cfg, spec.submodules.mlp.submodules)
+    ours = build_module(moe_module_spec(), config=cfg)
+    return [_FirstOutput(ours), _FirstOutput(theirs)]
+
+
+class _FirstOutput(nn.Module):
+    """A Megatron MLP slot returns (output, bias): keep the output."""
+
+    def __init__(self, slot: nn.Module) -> None:
+        super().__init__()
+        self.slot = slot
+
+    def forward(self, x):
+        return self.slot(x)[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -82,8 +143,18 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--megatron", action="store_true", help="Megatron-core's MLP slot instead of torchtitan's")
     a = p.parse_args()
     torch.manual_seed(0)
+    if a.megatron:
+        shape = (a.dim, a.hidden, a.experts, a.top_k)
+        x = torch.randn(a.tokens // 4, 4, a.dim)  # Megatron's [s, b, h]
+        ours, theirs = _time(_megatron_slots(*shape), x, a.repeats)
+        print(
+            f"| T={a.tokens} D={a.dim} F={a.hidden} E={a.experts} K={a.top_k} | ours {ours * 1e3:.1f} ms | "
+            f"Megatron MoELayer {theirs * 1e3:.1f} ms | ours / theirs {ours / theirs:.2f} |"
+        )
+        return
     x = torch.randn(4, a.tokens // 4, a.dim)
     shape = (a.dim, a.hidden, a.experts, a.top_k)
     ours, theirs = _time([_ours(*shape), _titan_moe(*shape)], x, a.repeats)

@@ -73,6 +73,13 @@ def install() -> None:
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _TorchOnCpu()
+    from megatron.core.transformer.moe import moe_utils
+
+    # Megatron's own MoE router (used by the benchmark, not by our layer) reads
+    # ``te_general_gemm``, a name moe_utils defines only where Transformer Engine (CUDA only)
+    # imports: None is what it tests for to take its torch.mm path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     # Replaces torch.cuda.synchronize, which Megatron's pipeline p2p calls after its sends and
     # receives; gloo's waits have already completed them.
     torch.cuda.synchronize = lambda device=None: None
