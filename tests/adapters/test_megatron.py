@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tests.adapters import megatron_layouts  # noqa: E402
+from tests.adapters import megatron_cpu, megatron_layouts  # noqa: E402
 from tests.parallel import launch  # noqa: E402
 
 D, FF, E, K = 16, 24, 4, 2
@@ -20,7 +20,7 @@ D, FF, E, K = 16, 24, 4, 2
 def _megatron_layer():
     """Megatron's MoELayer (SequentialMLP experts) built on CPU in a one-rank gloo group. Its
     all-gather token dispatcher is chosen because the all-to-all one makes a CUDA stream when
-    built; the layer is only built, never run, so the choice changes no weight."""
+    built."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -58,6 +58,7 @@ def _conversion(rank, world, store):
     from moe.adapters.megatron import from_megatron_state_dict, moe_config_from_megatron, to_megatron_state_dict
 
     launch.init(rank, world, store)
+    megatron_cpu.install()
     cfg, meg = _megatron_layer()
     sd = {k: v for k, v in meg.state_dict().items() if not k.endswith("_extra_state")}
     moe_cfg = moe_config_from_megatron(cfg, backend="torch")
@@ -76,6 +77,9 @@ def _conversion(rank, world, store):
     for k in sd:
         torch.testing.assert_close(back[k], sd[k], rtol=0, atol=0, msg=k)
     meg.load_state_dict(back, strict=False)  # and Megatron's layer takes them back
+    x_sbh = torch.randn(6, 3, D)  # the whole layers agree: Megatron's forward against ours
+    with torch.no_grad():
+        torch.testing.assert_close(meg(x_sbh)[0], ours(x_sbh.transpose(0, 1)).transpose(0, 1))
     for layout in ("grouped", "te_grouped"):  # the other layouts round-trip to the same layer
         other = to_megatron_state_dict(ours, layout=layout, prefix="decoder.layers.0.mlp.")
         again = from_megatron_state_dict(other, moe_cfg, prefix="decoder.layers.0.mlp.")
