@@ -255,13 +255,15 @@ def groups_and_bad_layouts() -> None:
         parallel_state.destroy_model_parallel()
 
 
-def layouts(rank, world, store, which):
-    from tests.adapters import megatron_cpu
-    from tests.parallel import launch
+_REFERENCE: list = []  # the one-process run, made once per process by the first layout
 
-    launch.init(rank, world, store)
-    megatron_cpu.install()
-    ref = reference()
-    for i in which:
-        assert run_layout(ref, **LAYOUTS[i]) > 0
-    groups_and_bad_layouts()
+
+def check_layout(i: int) -> None:
+    """Layout ``LAYOUTS[i]`` against the one-process run."""
+    if not _REFERENCE:
+        _REFERENCE.append(reference())
+    assert run_layout(_REFERENCE[0], **LAYOUTS[i]) > 0
+
+
+def layout_id(layout: dict) -> str:
+    return "-".join(f"{k}{int(v)}" for k, v in layout.items())

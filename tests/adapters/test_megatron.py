@@ -4,11 +4,20 @@ process (tests/adapters/megatron_layouts.py; CPU shims in tests/adapters/megatro
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install 'moe[megatron]'")
+# looked up, not imported: importing Megatron takes seconds, and only the launched ranks need it
+if importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("needs the megatron extra: pip install 'moe[megatron]'", allow_module_level=True)
+
+import os  # noqa: E402
+import traceback  # noqa: E402
+from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from tests.adapters import megatron_cpu, megatron_layouts  # noqa: E402
@@ -54,11 +63,9 @@ def _megatron_expert(sd: dict, e: int, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, sd[f"experts.local_experts.{e}.linear_fc2.weight"])
 
 
-def _conversion(rank, world, store):
+def _conversion():
     from moe.adapters.megatron import from_megatron_state_dict, moe_config_from_megatron, to_megatron_state_dict
 
-    launch.init(rank, world, store)
-    megatron_cpu.install()
     cfg, meg = _megatron_layer()
     sd = {k: v for k, v in meg.state_dict().items() if not k.endswith("_extra_state")}
     moe_cfg = moe_config_from_megatron(cfg, backend="torch")
@@ -93,25 +100,19 @@ def _conversion(rank, world, store):
         torch.testing.assert_close((F.silu(gate) * up) @ w2[e], _megatron_expert(sd, e, x))
 
 
-@pytest.mark.distributed
-def test_megatron_weights_convert_both_ways():
-    launch.spawn(_conversion, 1)
-
-
-def _slot(rank, world, store):
+def _slot():
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.spec_utils import build_module
 
     from moe import MoE, aux_loss
     from moe.adapters.megatron import moe_config_from_megatron, moe_module_spec
 
-    launch.init(rank, world, store)
     cfg, _ = _megatron_layer()
     torch.manual_seed(1)
     slot = build_module(moe_module_spec(moe_config_from_megatron(cfg, backend="torch")), config=cfg)
     ref = MoE(slot.moe.config)
     ref.load_state_dict(slot.moe.state_dict())
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) * 0.5)  # as Megatron's schedules set it
     x_sbh = torch.randn(6, 3, D)
     y, bias = slot(x_sbh)
     assert bias is None and y.shape == x_sbh.shape
@@ -123,14 +124,78 @@ def _slot(rank, world, store):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
-@pytest.mark.distributed
-def test_megatron_mlp_slot_returns_output_and_no_bias_with_the_aux_loss_scaled():
-    launch.spawn(_slot, 1)
+CHECKS = {
+    "conversion": _conversion,
+    "slot": _slot,
+    **{
+        f"layout-{megatron_layouts.layout_id(lay)}": partial(megatron_layouts.check_layout, i)
+        for i, lay in enumerate(megatron_layouts.LAYOUTS)
+    },
+    "groups": megatron_layouts.groups_and_bad_layouts,
+}
+
+
+def _run_checks(rank, world, store, out_dir):
+    """Every check of this file in one 2-rank launch (importing Megatron is most of the cost
+    of a launch). Each rank writes each check's traceback ("" when it passed); after a failure
+    on any rank the launch stops, since the ranks may then no longer meet in the same
+    collectives. The one-rank checks run on both ranks, with no collective."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    launch.init(rank, world, store)
+    megatron_cpu.install()
+    for name, check in CHECKS.items():
+        try:
+            check()
+            error = ""
+        except Exception:
+            error = traceback.format_exc()
+        finally:  # the next check starts from no Megatron state
+            parallel_state.destroy_model_parallel()
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        with open(os.path.join(out_dir, f"{name}.{rank}"), "w") as f:
+            f.write(error)
+        failed = torch.tensor([float(bool(error))])
+        dist.all_reduce(failed)
+        if failed.item():
+            break
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron")
+    launch.spawn(_run_checks, 2, str(out))
+    return out
+
+
+def _expect_passed(results, name: str) -> None:
+    got = {r: (results / f"{name}.{r}").read_text() for r in range(2) if (results / f"{name}.{r}").exists()}
+    if len(got) < 2:
+        pytest.fail(f"{name}: not run on every rank (an earlier check failed, see it)")
+    errors = [f"rank {r}:\n{e}" for r, e in got.items() if e]
+    if errors:
+        pytest.fail(f"{name} failed\n" + "\n".join(errors), pytrace=False)
 
 
 @pytest.mark.distributed
-def test_megatron_gpt_layouts_give_the_one_process_loss_and_gradients():
-    """One 2-rank launch: TP2, TP2+SP (experts split over etp = tp, and replicated), PP2 (1F1B)
-    and EP2 give the one-process losses and every gradient (fp32, rtol 1e-5), router losses
-    included; then the pg_collection path and the layouts that must raise."""
-    launch.spawn(megatron_layouts.layouts, 2, list(range(len(megatron_layouts.LAYOUTS))))
+def test_megatron_weights_convert_both_ways(results):
+    _expect_passed(results, "conversion")
+
+
+@pytest.mark.distributed
+def test_megatron_mlp_slot_returns_output_and_no_bias_with_the_aux_loss_scaled(results):
+    _expect_passed(results, "slot")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", megatron_layouts.LAYOUTS, ids=megatron_layouts.layout_id)
+def test_megatron_gpt_layout_gives_the_one_process_losses_and_gradients(results, layout):
+    """TP2, TP2+SP (experts split over etp = tp, and replicated), PP2 (1F1B) and EP2 against
+    one process: losses and every gradient (fp32, rtol 1e-5), router losses included."""
+    _expect_passed(results, f"layout-{megatron_layouts.layout_id(layout)}")
+
+
+@pytest.mark.distributed
+def test_megatron_moe_takes_a_pg_collection_and_refuses_layouts_it_cannot_run(results):
+    _expect_passed(results, "groups")
