@@ -126,8 +126,8 @@ def _one_process(aux: float):
 
 def reference():
     """The one-process run: tp = pp = ep = 1, all n microbatches; no collective runs (the
-    data-parallel ranks of the 2-rank world are not synchronised: no DDP here). Returns the
-    full weights, the losses and the gradients by name.
+    data-parallel ranks of the 2-rank world are not synchronised: no DDP here). Returns, by
+    aux-loss coefficient (`AUX` and 0), the full weights, the losses and the gradients by name.
 
     Checks that the router losses reach the router gradients through Megatron's aux-loss
     scaler, whose scale Megatron's schedule sets (1 / n): without them (coefficient 0) the
@@ -139,14 +139,14 @@ def reference():
     try:
         ref = _one_process(AUX)
         assert MoEAuxLossAutoScaler.main_loss_backward_scale.item() == 1 / N_MICRO
-        _, losses, grads = _one_process(0.0)
+        ref0 = _one_process(0.0)
     finally:
         parallel_state.destroy_model_parallel()
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref[1]), rtol=0, atol=0)  # lm loss only
+    torch.testing.assert_close(torch.stack(ref0[1]), torch.stack(ref[1]), rtol=0, atol=0)  # lm loss only
     for name in ("decoder.layers.1.mlp.moe.router.weight", "decoder.layers.3.mlp.moe.router.weight"):
-        diff = (ref[2][name] - grads[name]).abs().max()
+        diff = (ref[2][name] - ref0[2][name]).abs().max()
         assert diff > 100 * RTOL * ref[2][name].abs().max(), f"{name}: the aux loss changed its grad by {diff}"
-    return ref
+    return {AUX: ref, 0.0: ref0}
 
 
 def _global_name(model, name: str) -> str:
@@ -178,16 +178,18 @@ def _shard(name: str, param, full: torch.Tensor) -> torch.Tensor:
     return full.chunk(tp, dim=param.partition_dim)[rank]
 
 
-def run_layout(ref, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool = False):
-    """Train one step under the layout, check loss and every gradient against ``ref``; returns
-    how many tensors were compared."""
+def run_layout(
+    refs, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool = False, aux: float = AUX
+):
+    """Train one step under the layout, check loss and every gradient against the one-process
+    run ``refs[aux]``; returns how many tensors were compared."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    weights, ref_losses, ref_grads = ref
+    weights, ref_losses, ref_grads = refs[aux]
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     try:
-        config = _transformer_config(tp=tp, pp=pp, sp=sp)
+        config = _transformer_config(tp=tp, pp=pp, sp=sp, aux=aux)
         model = build_gpt(config)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -197,7 +199,7 @@ def run_layout(ref, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = 
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         micro = batches()[dp_rank::dp]  # data parallel: rank r takes every dp-th microbatch
         losses = train_step(ddp, micro, pp=pp)
-        label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp}"
+        label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp} aux={aux}"
         if parallel_state.is_pipeline_last_stage():
             want = torch.stack(ref_losses[dp_rank::dp])
             torch.testing.assert_close(
@@ -224,6 +226,9 @@ LAYOUTS = [
     dict(tp=2, sp=True, etp=1),  # TP2 + SP, experts replicated: gathered from the SP region
     dict(pp=2),  # PP2, 1F1B over two microbatches
     dict(ep=2),  # EP2 over the two data-parallel ranks
+    # EP2 over the two tp ranks, each routing its own s/tp tokens under SP. Without a router
+    # loss: that one is computed over each rank's part of the sequence, not over all of it
+    dict(tp=2, sp=True, etp=1, ep=2, aux=0.0),
 ]
 
 
@@ -266,4 +271,4 @@ def check_layout(i: int) -> None:
 
 
 def layout_id(layout: dict) -> str:
-    return "-".join(f"{k}{int(v)}" for k, v in layout.items())
+    return "-".join(f"{k}{v:g}" for k, v in layout.items())
