@@ -256,6 +256,11 @@ def groups_and_bad_layouts() -> None:
     try:
         with pytest.raises(ValueError, match="tensor_model_parallel_size=2 needs sequence_parallel=True"):
             MegatronMoE(_transformer_config(tp=2), moe_config_from_megatron(config))
+        sp = _transformer_config(tp=2, sp=True)
+        with pytest.raises(
+            ValueError, match="hidden_dim=25 must be divisible by Megatron's expert_tensor_parallel_size=2"
+        ):
+            MegatronMoE(sp, moe_config_from_megatron(sp, hidden_dim=25))
     finally:
         parallel_state.destroy_model_parallel()
 
