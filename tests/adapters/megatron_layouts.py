@@ -89,7 +89,8 @@ def batches() -> list[torch.Tensor]:
 
 def _forward_step(data_iterator, model):
     ids = next(data_iterator)
-    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]  # True: masked out
+    # the causal mask passed in (True: masked out): Megatron's default one is made on "cuda"
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]
     pos = torch.arange(S).expand(B, S)
     out = model(ids[:, :-1], pos, mask, labels=ids[:, 1:])  # [b, s] losses on the last stage
 
@@ -100,7 +101,7 @@ def _forward_step(data_iterator, model):
     return out, loss_func
 
 
-def train_step(model, micro: list[torch.Tensor], *, pp: int = 1) -> list[torch.Tensor]:
+def train_step(model, micro: list[torch.Tensor]) -> list[torch.Tensor]:
     """One forward/backward over ``micro`` with Megatron's schedule; the per-microbatch
     losses on the last stage (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -198,7 +199,7 @@ def run_layout(
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         micro = batches()[dp_rank::dp]  # data parallel: rank r takes every dp-th microbatch
-        losses = train_step(ddp, micro, pp=pp)
+        losses = train_step(ddp, micro)
         label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp} aux={aux}"
         if parallel_state.is_pipeline_last_stage():
             want = torch.stack(ref_losses[dp_rank::dp])
