@@ -178,9 +178,14 @@ class MegatronMoE(nn.Module):
       ``finalize_model_grads`` sums its gradient over the tp ranks, which each saw a part.
     - Router losses reach the loss through Megatron's ``MoEAuxLossAutoScaler`` on the output,
       as Megatron's own MoE does (its scale is set by Megatron's schedules, also under PP).
+    - ``global_base``: BASE layers balance over the whole expert-parallel group (each rank
+      keeps its rows of one assignment of all the group's tokens) instead of per rank; with
+      ep = 1 every rank balances the tokens it routes.
     """
 
-    def __init__(self, config, moe: MoEConfig | None = None, *, pg_collection=None, **_ignored) -> None:
+    def __init__(
+        self, config, moe: MoEConfig | None = None, *, global_base: bool = False, pg_collection=None, **_ignored
+    ) -> None:
         super().__init__()
         self.config = config  # Megatron's TransformerConfig
         self.moe = MoE(moe if moe is not None else moe_config_from_megatron(config))
@@ -191,7 +196,8 @@ class MegatronMoE(nn.Module):
         self.expert_parallel = ep > 1 or etp > 1
         if self.expert_parallel:
             _check_expert_layout(self.moe.config, tp, ep, etp, self.sequence_parallel)
-            parallelize_moe(self.moe, _expert_mesh(groups, ep, etp), ep="ep", etp="etp" if etp > 1 else None)
+            mesh = _expert_mesh(groups, ep, etp)
+            parallelize_moe(self.moe, mesh, ep="ep", etp="etp" if etp > 1 else None, global_base=global_base)
             for name in ("w1", "w3", "w2"):  # Megatron's DDP and optimizer take plain tensors
                 w = getattr(self.moe.experts, name)
                 if w is not None:
@@ -276,8 +282,9 @@ def _expert_mesh(groups: dict, ep: int, etp: int) -> DeviceMesh:
     return DeviceMesh.from_group([groups["ep"], groups["expt_tp"]], device_type, mesh, mesh_dim_names=("ep", "etp"))
 
 
-def moe_module_spec(moe: MoEConfig | None = None) -> ModuleSpec:
+def moe_module_spec(moe: MoEConfig | None = None, *, global_base: bool = False) -> ModuleSpec:
     """A ``ModuleSpec`` for the ``mlp`` of Megatron's GPT layer spec:
     ``spec.submodules.mlp = moe_module_spec(cfg)`` (``None``: the config comes from Megatron's
-    ``TransformerConfig`` MoE fields, see `moe_config_from_megatron`)."""
-    return ModuleSpec(module=MegatronMoE, params={"moe": moe})
+    ``TransformerConfig`` MoE fields, see `moe_config_from_megatron`). ``global_base``: see
+    `MegatronMoE`."""
+    return ModuleSpec(module=MegatronMoE, params={"moe": moe, "global_base": global_base})

@@ -48,8 +48,9 @@ def _transformer_config(*, tp: int = 1, pp: int = 1, sp: bool = False, aux: floa
     )
 
 
-def build_gpt(config):
-    """This pipeline stage's part of the GPT: local spec, our MoE in layers 2 and 4."""
+def build_gpt(config, *, base: bool = False):
+    """This pipeline stage's part of the GPT: local spec, our MoE in layers 2 and 4 (softmax
+    top-2, or ``base``: top-1 BASE balanced over the expert-parallel group)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -60,7 +61,13 @@ def build_gpt(config):
     from tests.adapters.megatron_cpu import LayerNorm
 
     dense, moe = get_gpt_layer_local_spec(), get_gpt_layer_local_spec()
-    moe.submodules.mlp = moe_module_spec(moe_config_from_megatron(config, backend="torch"))
+    if base:
+        cfg = moe_config_from_megatron(
+            config, backend="torch", router="base", top_k=1, combine="sigmoid_residual", router_options={}
+        )
+        moe.submodules.mlp = moe_module_spec(cfg, global_base=True)
+    else:
+        moe.submodules.mlp = moe_module_spec(moe_config_from_megatron(config, backend="torch"))
     for spec in (dense, moe):
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = LayerNorm
     layers = [moe if i % 2 else dense for i in range(LAYERS)]
@@ -91,19 +98,19 @@ def _forward_step(data_iterator, model):
     ids = next(data_iterator)
     # the causal mask passed in (True: masked out): Megatron's default one is made on "cuda"
     mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]
-    pos = torch.arange(S).expand(B, S)
+    pos = torch.arange(S).expand(ids.shape[0], S)
     out = model(ids[:, :-1], pos, mask, labels=ids[:, 1:])  # [b, s] losses on the last stage
 
     def loss_func(losses):
-        loss = losses.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+        # reported: each sequence's mean loss (b,), compared sequence by sequence
+        return losses.float().mean(), {"lm loss": losses.detach().float().mean(dim=1)}
 
     return out, loss_func
 
 
 def train_step(model, micro: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One forward/backward over ``micro`` with Megatron's schedule; the per-microbatch
-    losses on the last stage (empty elsewhere)."""
+    """One forward/backward over ``micro`` with Megatron's schedule; each microbatch's
+    per-sequence losses on the last stage (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     out = get_forward_backward_func()(
@@ -118,17 +125,19 @@ def train_step(model, micro: list[torch.Tensor]) -> list[torch.Tensor]:
     return [d["lm loss"] for d in out]
 
 
-def _one_process(aux: float):
-    model = build_gpt(_transformer_config(aux=aux))
+def _one_process(aux: float, *, base: bool = False, micro: list[torch.Tensor] | None = None):
+    model = build_gpt(_transformer_config(aux=aux), base=base)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = train_step(model, batches())
+    losses = train_step(model, micro or batches())
     return weights, losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def reference():
     """The one-process run: tp = pp = ep = 1, all n microbatches; no collective runs (the
     data-parallel ranks of the 2-rank world are not synchronised: no DDP here). Returns, by
-    aux-loss coefficient (`AUX` and 0), the full weights, the losses and the gradients by name.
+    aux-loss coefficient (`AUX` and 0), the full weights, the losses and the gradients by name;
+    under "base" the same for the BASE model on all the step's sequences in one microbatch
+    (what BASE balanced over the whole expert-parallel group sees).
 
     Checks that the router losses reach the router gradients through Megatron's aux-loss
     scaler, whose scale Megatron's schedule sets (1 / n): without them (coefficient 0) the
@@ -141,13 +150,14 @@ def reference():
         ref = _one_process(AUX)
         assert MoEAuxLossAutoScaler.main_loss_backward_scale.item() == 1 / N_MICRO
         ref0 = _one_process(0.0)
+        base = _one_process(0.0, base=True, micro=[torch.cat(batches())])
     finally:
         parallel_state.destroy_model_parallel()
-    torch.testing.assert_close(torch.stack(ref0[1]), torch.stack(ref[1]), rtol=0, atol=0)  # lm loss only
+    torch.testing.assert_close(torch.cat(ref0[1]), torch.cat(ref[1]), rtol=0, atol=0)  # lm loss only
     for name in ("decoder.layers.1.mlp.moe.router.weight", "decoder.layers.3.mlp.moe.router.weight"):
         diff = (ref[2][name] - ref0[2][name]).abs().max()
         assert diff > 100 * RTOL * ref[2][name].abs().max(), f"{name}: the aux loss changed its grad by {diff}"
-    return {AUX: ref, 0.0: ref0}
+    return {AUX: ref, 0.0: ref0, "base": base}
 
 
 def _global_name(model, name: str) -> str:
@@ -180,18 +190,27 @@ def _shard(name: str, param, full: torch.Tensor) -> torch.Tensor:
 
 
 def run_layout(
-    refs, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool = False, aux: float = AUX
+    refs,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    sp: bool = False,
+    aux: float = AUX,
+    base: bool = False,
 ):
-    """Train one step under the layout, check loss and every gradient against the one-process
-    run ``refs[aux]``; returns how many tensors were compared."""
+    """Train one step under the layout, check the losses and every gradient against the
+    one-process run ``refs[aux]`` (``refs["base"]`` for BASE); returns how many tensors were
+    compared."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    weights, ref_losses, ref_grads = refs[aux]
+    weights, ref_losses, ref_grads = refs["base" if base else aux]  # the BASE run has no aux loss
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     try:
         config = _transformer_config(tp=tp, pp=pp, sp=sp, aux=aux)
-        model = build_gpt(config)
+        model = build_gpt(config, base=base)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(_shard(name, p, weights[_global_name(model, name)]))
@@ -200,12 +219,11 @@ def run_layout(
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         micro = batches()[dp_rank::dp]  # data parallel: rank r takes every dp-th microbatch
         losses = train_step(ddp, micro)
-        label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp} aux={aux}"
+        label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp} aux={aux} base={base}"
         if parallel_state.is_pipeline_last_stage():
-            want = torch.stack(ref_losses[dp_rank::dp])
-            torch.testing.assert_close(
-                torch.stack(losses), want, rtol=RTOL, atol=0, msg=f"{label}: losses {losses} {want}"
-            )
+            per_seq = torch.cat(ref_losses).view(N_MICRO, B)  # the step's sequences, microbatch by microbatch
+            want, got = per_seq[dp_rank::dp].reshape(-1), torch.cat(losses)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=0, msg=f"{label}: losses {got} {want}")
         shards = [p for p in model.parameters() if getattr(p, "allreduce", True) is False]
         assert all(p.shape[0] == E // ep for p in shards) and (len(shards) > 0) == (ep * (etp or tp) > 1), label
         checked = 0
@@ -230,6 +248,9 @@ LAYOUTS = [
     # EP2 over the two tp ranks, each routing its own s/tp tokens under SP. Without a router
     # loss: that one is computed over each rank's part of the sequence, not over all of it
     dict(tp=2, sp=True, etp=1, ep=2, aux=0.0),
+    # EP2 with BASE balanced over the ep group: one assignment of both ranks' tokens, as one
+    # process balances them in one microbatch
+    dict(ep=2, base=True, aux=0.0),
 ]
 
 
