@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 BENCHMARKS = {"routing": "routing", "layer": "moe_layer", "gemm": "grouped_gemm", "a2a": "all_to_all"}
 ROUTERS = ("base", "topk", "sinkhorn", "expert_choice")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # interleaved: 1F1B with 2 stages per rank
 
 
 class UsageError(Exception):
@@ -96,7 +96,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     lay.add_argument("--dp-shard", type=int, default=-1, help="FSDP size (-1: what the others leave)")
     lay.add_argument("--etp", action="store_true", help="tp ranks shard each expert's hidden dim")
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule")
-    lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None, help="pipeline micro-batches")
+    lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None,
+                     help="pipeline micro-batches per data-parallel rank and step (None: --pp)")  # fmt: skip
     return p
 
 
@@ -145,8 +146,6 @@ def _check_train(args, p) -> None:
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     if launched and "nproc" in args._explicit and args.nproc != world:
         raise UsageError(f"--nproc {args.nproc} differs from torchrun's world size {world}: drop --nproc there")
-    if args.pp > 1:
-        raise UsageError(f"--pp {args.pp}: pipeline stages are not wired into moe train yet; use --pp 1")
     if args.etp and args.tp == 1:
         raise UsageError("--etp shards the experts over the tp ranks: it needs --tp > 1")
     fixed = args.tp * args.pp * args.dp_replicate
@@ -164,7 +163,31 @@ def _check_train(args, p) -> None:
     experts = args.experts or (PRESETS[args.preset].moe.num_experts if PRESETS[args.preset].moe else 8)
     if experts % args.ep:
         raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
+    _check_pipeline(args, args.n_layers or PRESETS[args.preset].n_layers, args.batch // dp)
     args.dp_shard = dp_shard
+
+
+def _check_pipeline(args, n_layers: int, rows: int) -> None:
+    """--pp and its options; ``rows``: the sequences of one data-parallel rank per step."""
+    if args.pp == 1:
+        if "micro_batches" in args._explicit and args.micro_batches not in (None, 1):
+            raise UsageError(f"--micro-batches {args.micro_batches} splits pipeline steps: it needs --pp > 1")
+        args.micro_batches = None  # a resumed pipeline run's value does not apply to one stage
+        return
+    if args.etp or args.dp_replicate > 1:
+        what = "--etp" if args.etp else f"--dp-replicate {args.dp_replicate}"
+        raise UsageError(f"--pp {args.pp} runs with --tp, --ep and --dp-shard, not with {what}; drop one of them")
+    stages = args.pp * (2 if args.pp_schedule == "interleaved" else 1)
+    if n_layers < stages:
+        per = " x 2 stages per rank (interleaved)" if stages > args.pp else ""
+        raise UsageError(f"--pp {args.pp}{per} needs at least {stages} layers, the model has {n_layers}")
+    m = args.micro_batches or args.pp
+    if rows % m:
+        raise UsageError(
+            f"--micro-batches {m} must divide the {rows} sequences of each data-parallel rank (--batch / dp)"
+        )
+    if args.pp_schedule == "interleaved" and m % args.pp:
+        raise UsageError(f"--pp-schedule interleaved needs --micro-batches ({m}) divisible by --pp {args.pp}")
 
 
 def _launch(args, argv) -> int:
