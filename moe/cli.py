@@ -104,7 +104,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 def _check_train(args, p) -> None:
     """Everything that can be checked without reading data or building the model."""
     from .models.llama import PRESETS
-    from .train.config import RESUME_KEEPS
+    from .train.config import LAYOUT_FIELDS, RESUME_KEEPS
 
     if args.out is None:
         if args.resume:
@@ -117,13 +117,14 @@ def _check_train(args, p) -> None:
         if not (out / "checkpoints" / "latest").exists():
             raise UsageError(f"--resume: {out} has no checkpoint yet (checkpoints/latest is missing)")
         saved = json.loads((out / "config.json").read_text())["train"]
+        new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
             if key in ("out", "resume", "stop_at") or not hasattr(args, key):
                 continue
             if key in args._explicit and key in RESUME_KEEPS and getattr(args, key) != value:
                 flag = "--" + key.replace("_", "-")
                 raise UsageError(f"{flag} {getattr(args, key)} differs from the run's {value}: a resumed run keeps it")
-            if key not in args._explicit:
+            if key not in args._explicit and not (new_layout and key in LAYOUT_FIELDS):
                 setattr(args, key, value)
     elif out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out} exists: pass --resume to continue it, or choose another folder")
@@ -190,17 +191,27 @@ def _check_pipeline(args, n_layers: int, rows: int) -> None:
         raise UsageError(f"--pp-schedule interleaved needs --micro-batches ({m}) divisible by --pp {args.pp}")
 
 
+SHUTDOWN_S = 600  # after SIGINT / SIGTERM, the ranks' time to finish the step and checkpoint
+
+
 def _launch(args, argv) -> int:
     """Start ``--nproc`` local processes with torchrun's elastic agent (what ``torchrun
-    --standalone`` does), each running this same command; exit 1 when a rank failed."""
+    --standalone`` does), each running this same command; exit 1 when a rank failed.
+
+    SIGINT / SIGTERM (Ctrl-C reaches this process alone: the agent starts each rank in its own
+    session) make the agent send the same signal to every rank; the ranks finish their step,
+    write a checkpoint and exit, and this process exits with 128 + the signal's number. A rank
+    still running after `SHUTDOWN_S` seconds is killed."""
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+        shutdown_timeout=SHUTDOWN_S,
     )  # fmt: skip
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "moe", *argv, "--out", args.out)
@@ -208,6 +219,8 @@ def _launch(args, argv) -> int:
         codes = sorted({f.exitcode for f in err.failures.values()})
         print(f"moe train: {len(err.failures)} of {args.nproc} ranks failed (exit {codes})", file=sys.stderr)
         return codes[-1] if len(codes) == 1 and codes[0] > 0 else 1
+    except SignalException as err:  # raised by the agent once the ranks have exited
+        return 128 + int(err.sigval)
     return 0
 
 

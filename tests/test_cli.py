@@ -43,7 +43,19 @@ BAD = [
     (["train", "--nproc", "2", "--tp", "3"], "must multiply to the world size 2"),
     (["train", "--experts", "3", "--ep", "2", "--nproc", "2"], "--experts 3 must be divisible by --ep 2"),
     (["train", "--nproc", "4", "--tp", "2", "--ep", "4"], "--ep 4 must divide --dp-shard 2"),
-    (["train", "--nproc", "2", "--pp", "2"], "--pp 2: pipeline stages are not wired"),
+    (["train", "--nproc", "2", "--pp", "2", "--micro-batches", "3"], "--micro-batches 3 must divide the 8 sequences"),
+    (
+        ["train", "--nproc", "4", "--pp", "4", "--preset", "tiny", "--pp-schedule", "interleaved"],
+        "--pp 4 x 2 stages per rank (interleaved) needs at least 8 layers, the model has 4",
+    ),  # fmt: skip
+    (
+        ["train", "--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--micro-batches", "1"],
+        "--pp-schedule interleaved needs --micro-batches (1) divisible by --pp 2",
+    ),  # fmt: skip
+    (["train", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
+    (["train", "--micro-batches", "2"], "--micro-batches 2 splits pipeline steps: it needs --pp > 1"),
+    (["train", "--nproc", "4", "--pp", "2", "--dp-replicate", "2"], "not with --dp-replicate 2"),
+    (["train", "--nproc", "4", "--pp", "2", "--tp", "2", "--etp"], "not with --etp"),
     (["train", "--etp"], "--etp shards the experts over the tp ranks: it needs --tp > 1"),
     (["train", "--nproc", "2", "--batch", "3"], "--batch 3 must be divisible by the data-parallel size 2"),
     (["train", "--resume"], "--resume needs --out DIR"),
