@@ -17,7 +17,8 @@ __all__ = ["main"]
 
 BENCHMARKS = {"routing": "routing", "layer": "moe_layer", "gemm": "grouped_gemm", "a2a": "all_to_all"}
 ROUTERS = ("base", "topk", "sinkhorn", "expert_choice")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # interleaved: 1F1B with 2 stages per rank
+# interleaved: 1F1B with 2 stages per rank (also by the name moe plan and pipeline_llama give it)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b")
 
 
 class UsageError(Exception):
@@ -178,7 +179,8 @@ def _check_pipeline(args, n_layers: int, rows: int) -> None:
     if args.etp or args.dp_replicate > 1:
         what = "--etp" if args.etp else f"--dp-replicate {args.dp_replicate}"
         raise UsageError(f"--pp {args.pp} runs with --tp, --ep and --dp-shard, not with {what}; drop one of them")
-    stages = args.pp * (2 if args.pp_schedule == "interleaved" else 1)
+    interleaved = args.pp_schedule.startswith("interleaved")
+    stages = args.pp * (2 if interleaved else 1)
     if n_layers < stages:
         per = " x 2 stages per rank (interleaved)" if stages > args.pp else ""
         raise UsageError(f"--pp {args.pp}{per} needs at least {stages} layers, the model has {n_layers}")
@@ -187,8 +189,8 @@ def _check_pipeline(args, n_layers: int, rows: int) -> None:
         raise UsageError(
             f"--micro-batches {m} must divide the {rows} sequences of each data-parallel rank (--batch / dp)"
         )
-    if args.pp_schedule == "interleaved" and m % args.pp:
-        raise UsageError(f"--pp-schedule interleaved needs --micro-batches ({m}) divisible by --pp {args.pp}")
+    if interleaved and m % args.pp:
+        raise UsageError(f"--pp-schedule {args.pp_schedule} needs --micro-batches ({m}) divisible by --pp {args.pp}")
 
 
 SHUTDOWN_S = 600  # after SIGINT / SIGTERM, the ranks' time to finish the step and checkpoint

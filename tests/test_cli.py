@@ -47,11 +47,15 @@ BAD = [
     (
         ["train", "--nproc", "4", "--pp", "4", "--preset", "tiny", "--pp-schedule", "interleaved"],
         "--pp 4 x 2 stages per rank (interleaved) needs at least 8 layers, the model has 4",
-    ),  # fmt: skip
+    ),
     (
         ["train", "--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--micro-batches", "1"],
         "--pp-schedule interleaved needs --micro-batches (1) divisible by --pp 2",
-    ),  # fmt: skip
+    ),
+    (
+        ["train", "--nproc", "4", "--pp", "4", "--preset", "tiny", "--pp-schedule", "interleaved_1f1b"],
+        "needs at least 8 layers, the model has 4",
+    ),
     (["train", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["train", "--micro-batches", "2"], "--micro-batches 2 splits pipeline steps: it needs --pp > 1"),
     (["train", "--nproc", "4", "--pp", "2", "--dp-replicate", "2"], "not with --dp-replicate 2"),

@@ -25,6 +25,7 @@ __all__ = ["PP_SCHEDULES", "Layout", "StageView", "clip_grad_norm", "parallelize
 
 # the command's names for the pipeline schedules -> moe.parallel.pipeline's
 PP_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b"}
+PP_SCHEDULES["interleaved_1f1b"] = PP_SCHEDULES["interleaved"]  # the name moe plan prints
 
 # LlamaMesh slices its flattened views from the root mesh on purpose; said once per rank and
 # slice, it would bury the progress bar
