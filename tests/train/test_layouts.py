@@ -184,3 +184,13 @@ def test_dp_shard2_resumes_under_tp2(tmp_path, data, topk_one):
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     _same(rows, topk_one, "dp_shard=2 -> tp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--ep", 2], ["--tp", 2]], ids=["pp2_ep2", "pp2_tp2"])
+def test_pp2_with_ep2_or_tp2_on_four_processes(tmp_path, data, topk_one, layout):
+    run = tmp_path / "run"
+    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 4, "--pp", 2, *layout, "--stop-at", 2)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    _same(rows, topk_one, "pp=2 " + " ".join(map(str, layout)))
