@@ -17,7 +17,8 @@ __all__ = ["main"]
 
 BENCHMARKS = {"routing": "routing", "layer": "moe_layer", "gemm": "grouped_gemm", "a2a": "all_to_all"}
 ROUTERS = ("base", "topk", "sinkhorn", "expert_choice")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# interleaved: 1F1B with 2 stages per rank (also by the name moe plan and pipeline_llama give it)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b")
 
 
 class UsageError(Exception):
@@ -96,14 +97,15 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     lay.add_argument("--dp-shard", type=int, default=-1, help="FSDP size (-1: what the others leave)")
     lay.add_argument("--etp", action="store_true", help="tp ranks shard each expert's hidden dim")
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule")
-    lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None, help="pipeline micro-batches")
+    lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None,
+                     help="pipeline micro-batches per data-parallel rank and step (None: --pp)")  # fmt: skip
     return p
 
 
 def _check_train(args, p) -> None:
     """Everything that can be checked without reading data or building the model."""
     from .models.llama import PRESETS
-    from .train.config import RESUME_KEEPS
+    from .train.config import LAYOUT_FIELDS, RESUME_KEEPS
 
     if args.out is None:
         if args.resume:
@@ -116,13 +118,14 @@ def _check_train(args, p) -> None:
         if not (out / "checkpoints" / "latest").exists():
             raise UsageError(f"--resume: {out} has no checkpoint yet (checkpoints/latest is missing)")
         saved = json.loads((out / "config.json").read_text())["train"]
+        new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
             if key in ("out", "resume", "stop_at") or not hasattr(args, key):
                 continue
             if key in args._explicit and key in RESUME_KEEPS and getattr(args, key) != value:
                 flag = "--" + key.replace("_", "-")
                 raise UsageError(f"{flag} {getattr(args, key)} differs from the run's {value}: a resumed run keeps it")
-            if key not in args._explicit:
+            if key not in args._explicit and not (new_layout and key in LAYOUT_FIELDS):
                 setattr(args, key, value)
     elif out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out} exists: pass --resume to continue it, or choose another folder")
@@ -145,8 +148,6 @@ def _check_train(args, p) -> None:
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     if launched and "nproc" in args._explicit and args.nproc != world:
         raise UsageError(f"--nproc {args.nproc} differs from torchrun's world size {world}: drop --nproc there")
-    if args.pp > 1:
-        raise UsageError(f"--pp {args.pp}: pipeline stages are not wired into moe train yet; use --pp 1")
     if args.etp and args.tp == 1:
         raise UsageError("--etp shards the experts over the tp ranks: it needs --tp > 1")
     fixed = args.tp * args.pp * args.dp_replicate
@@ -164,20 +165,55 @@ def _check_train(args, p) -> None:
     experts = args.experts or (PRESETS[args.preset].moe.num_experts if PRESETS[args.preset].moe else 8)
     if experts % args.ep:
         raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
+    _check_pipeline(args, args.n_layers or PRESETS[args.preset].n_layers, args.batch // dp)
     args.dp_shard = dp_shard
+
+
+def _check_pipeline(args, n_layers: int, rows: int) -> None:
+    """--pp and its options; ``rows``: the sequences of one data-parallel rank per step."""
+    if args.pp == 1:
+        if "micro_batches" in args._explicit and args.micro_batches not in (None, 1):
+            raise UsageError(f"--micro-batches {args.micro_batches} splits pipeline steps: it needs --pp > 1")
+        args.micro_batches = None  # a resumed pipeline run's value does not apply to one stage
+        return
+    if args.etp or args.dp_replicate > 1:
+        what = "--etp" if args.etp else f"--dp-replicate {args.dp_replicate}"
+        raise UsageError(f"--pp {args.pp} runs with --tp, --ep and --dp-shard, not with {what}; drop one of them")
+    interleaved = args.pp_schedule.startswith("interleaved")
+    stages = args.pp * (2 if interleaved else 1)
+    if n_layers < stages:
+        per = " x 2 stages per rank (interleaved)" if stages > args.pp else ""
+        raise UsageError(f"--pp {args.pp}{per} needs at least {stages} layers, the model has {n_layers}")
+    m = args.micro_batches or args.pp
+    if rows % m:
+        raise UsageError(
+            f"--micro-batches {m} must divide the {rows} sequences of each data-parallel rank (--batch / dp)"
+        )
+    if interleaved and m % args.pp:
+        raise UsageError(f"--pp-schedule {args.pp_schedule} needs --micro-batches ({m}) divisible by --pp {args.pp}")
+
+
+SHUTDOWN_S = 600  # after SIGINT / SIGTERM, the ranks' time to finish the step and checkpoint
 
 
 def _launch(args, argv) -> int:
     """Start ``--nproc`` local processes with torchrun's elastic agent (what ``torchrun
-    --standalone`` does), each running this same command; exit 1 when a rank failed."""
+    --standalone`` does), each running this same command; exit 1 when a rank failed.
+
+    SIGINT / SIGTERM (Ctrl-C reaches this process alone: the agent starts each rank in its own
+    session) make the agent send the same signal to every rank; the ranks finish their step,
+    write a checkpoint and exit, and this process exits with 128 + the signal's number. A rank
+    still running after `SHUTDOWN_S` seconds is killed."""
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+        shutdown_timeout=SHUTDOWN_S,
     )  # fmt: skip
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "moe", *argv, "--out", args.out)
@@ -185,6 +221,8 @@ def _launch(args, argv) -> int:
         codes = sorted({f.exitcode for f in err.failures.values()})
         print(f"moe train: {len(err.failures)} of {args.nproc} ranks failed (exit {codes})", file=sys.stderr)
         return codes[-1] if len(codes) == 1 and codes[0] > 0 else 1
+    except SignalException as err:  # raised by the agent once the ranks have exited
+        return 128 + int(err.sigval)
     return 0
 
 

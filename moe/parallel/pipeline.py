@@ -86,6 +86,8 @@ class LlamaPipeline:
     dtype: torch.dtype = torch.float32  # of the activations between stages
     router_losses: list[Tensor] = dataclasses.field(default_factory=list)  # this step's, detached
     shape: tuple | None = None  # (B, S) of the batch the stages were built for
+    lm_loss: Tensor | None = None  # the last step's cross entropy and router losses, as `step` reports them
+    aux_loss: Tensor | None = None
 
     def _build(self, tokens_BS: Tensor) -> None:
         """Make the stages for this batch shape, their inputs and outputs given so the schedule
@@ -145,12 +147,44 @@ class LlamaPipeline:
             self.schedule.step(target=targets_BS, losses=losses)
         else:
             self.schedule.step()
-        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        for t in [*losses, *self.router_losses]:
-            total += t.detach().float()
-        total /= self.microbatches
-        dist.all_reduce(total, group=self.mesh.world["pp"].get_group())
-        return self.mesh.mean_over_dp(total)
+        # [cross entropy, router losses]: the last stage has the first, every stage some of the second
+        parts = torch.zeros(2, dtype=torch.float32, device=self.mesh.device)
+        for t in losses:
+            parts[0] += t.detach().float()
+        for t in self.router_losses:
+            parts[1] += t.detach().float()
+        parts /= self.microbatches
+        dist.all_reduce(parts, group=self.mesh.world["pp"].get_group())
+        parts = self.mesh.mean_over_dp(parts)
+        self.lm_loss, self.aux_loss = parts[0], parts[1]
+        return parts.sum()
+
+    @torch.no_grad()
+    def evaluate(self, tokens_BS: Tensor, targets_BS: Tensor) -> Tensor:
+        """The mean cross entropy of this rank's batch (forward only, in M micro-batches of the
+        step's shape), meaned over the data-parallel ranks; the same on every rank. The stage
+        modules should be in eval mode; the router losses of these forwards are discarded."""
+        if self.shape is None:
+            self._build(tokens_BS)
+        if tuple(tokens_BS.shape) != self.shape or tokens_BS.shape != targets_BS.shape:
+            raise ValueError(
+                f"the stages were built for batches of {self.shape}, got {tuple(tokens_BS.shape)} "
+                f"and targets {tuple(targets_BS.shape)}"
+            )
+        losses: list[Tensor] = []
+        if self.has_first:
+            self.schedule.eval(tokens_BS, target=targets_BS if self.has_last else None, losses=losses)
+        elif self.has_last:
+            self.schedule.eval(target=targets_BS, losses=losses)
+        else:
+            self.schedule.eval()
+        self.router_losses.clear()
+        ce = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        for t in losses:
+            ce += t.detach().float()
+        ce /= self.microbatches
+        dist.all_reduce(ce, group=self.mesh.world["pp"].get_group())
+        return self.mesh.mean_over_dp(ce)
 
 
 def _cross_entropy(logits_BSV: Tensor, targets_BS: Tensor) -> Tensor:

@@ -10,7 +10,10 @@ A checkpoint is written under a temporary name, renamed when every rank has fini
 then does ``latest`` (itself written to a temporary file and ``os.replace``-d) point at it. A run
 killed at any moment therefore leaves ``latest`` naming a complete checkpoint. DCP stores the
 model and optimiser by parameter name with their global shapes, so a checkpoint written under
-one layout loads under another (DCP reshards on load).
+one layout loads under another (DCP reshards on load). The optimiser state is flattened to one
+key per parameter and field (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): pipeline
+ranks each hold other parameters, and a nested ``param_groups`` list would be saved from one
+rank only.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 __all__ = ["latest_checkpoint", "load_checkpoint", "load_model_weights", "save_checkpoint"]
 
 _PREFIX = "step_"
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # one process without a process group is a supported case of DCP, not something to warn about
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -88,7 +92,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, extra: dict, keep: int
     _barrier()
     state = {
         "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),
+        "optim": get_optimizer_state_dict(model, optimizer, options=_FLAT),
         "extra": json.dumps(extra),  # one leaf: DCP only loads keys the caller already has
     }
     dcp.save(state, checkpoint_id=str(tmp))
@@ -113,12 +117,12 @@ def load_checkpoint(path, model, optimizer) -> dict:
     path = Path(path)
     state = {
         "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),
+        "optim": get_optimizer_state_dict(model, optimizer, options=_FLAT),
         "extra": "",
     }
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=_FLAT)
     rng = path / f"rng_rank{_rank()}.pt"
     set_rng_state(torch.load(rng if rng.exists() else path / "rng_rank0.pt", weights_only=True))
     return json.loads(state["extra"])

@@ -2,8 +2,9 @@
 the model's `LlamaConfig`.
 
 A resumed run keeps the fields that define what is trained (`RESUME_KEEPS`: model, data,
-optimiser, seed, steps) from its ``config.json``; the layout and the run-control fields
-(checkpointing, ``--stop-at``, evaluation cadence) may change from one job to the next.
+optimiser, seed, steps) from its ``config.json``; the layout (`LAYOUT_FIELDS`) and the
+run-control fields (checkpointing, ``--stop-at``, evaluation cadence) may change from one job to
+the next, and keep their saved values unless given again.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from ..config import MoEConfig
 from ..models.llama import PRESETS, LlamaConfig
 
-__all__ = ["RESUME_KEEPS", "TrainConfig", "model_config", "model_config_from_dict"]
+__all__ = ["LAYOUT_FIELDS", "RESUME_KEEPS", "TrainConfig", "model_config", "model_config_from_dict"]
 
 
 @dataclass(kw_only=True)
@@ -73,6 +74,10 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+
+# the layout: given on a resumed run's command line (any of them), it replaces the saved layout
+# as a whole (the fields not given take their defaults), so `--resume --nproc 1` is one process
+LAYOUT_FIELDS = ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "pp_schedule", "micro_batches")
 
 RESUME_KEEPS = (
     "preset experts top_k router moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "

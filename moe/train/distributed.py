@@ -1,11 +1,13 @@
-"""The layout of a ``moe train`` run: process group, `LlamaMesh`, `parallelize_llama`, and the
-global gradient norm over parameters that live on different meshes.
+"""The layout of a ``moe train`` run: process group, `LlamaMesh`, `parallelize_llama` or
+`pipeline_llama`, and the global gradient norm over parameters that live on different meshes.
 
-Legend: W world size, Dp data-parallel ranks, Tp tensor ranks, Ep expert ranks.
+Legend: W world size, P pipeline ranks, Dp data-parallel ranks, Tp tensor ranks, Ep expert ranks.
 
 One process (W = 1) needs none of this: the model stays a plain `Llama`. Under torchrun (or
 ``--nproc``, which starts torchrun's agent) every rank builds the same model from the seed and
-`parallelize_llama` shards it, following the trainer contract of docs/training.md.
+`parallelize_llama` shards it, following the trainer contract of docs/training.md. With P > 1,
+`pipeline_llama` cuts it into stages first; a `StageView` then shows this rank's stages under
+the whole model's parameter names, so optimiser state and checkpoints are keyed as in one process.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["Layout", "clip_grad_norm", "parallelize", "setup"]
+__all__ = ["PP_SCHEDULES", "Layout", "StageView", "clip_grad_norm", "parallelize", "setup"]
+
+# the command's names for the pipeline schedules -> moe.parallel.pipeline's
+PP_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b"}
+PP_SCHEDULES["interleaved_1f1b"] = PP_SCHEDULES["interleaved"]  # the name moe plan prints
 
 # LlamaMesh slices its flattened views from the root mesh on purpose; said once per rank and
 # slice, it would bury the progress bar
@@ -30,9 +36,15 @@ class Layout:
     """What the loop needs to know about the ranks: who writes, which rows it reads, how a
     per-rank value becomes the global one."""
 
-    def __init__(self, mesh=None) -> None:
+    def __init__(self, mesh=None, pipe=None) -> None:
         self.mesh = mesh  # a LlamaMesh, or None in one process
+        self.pipe = pipe  # a LlamaPipeline (this rank's stages and their schedule) when P > 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def pp_group(self):
+        """The pipeline ranks of this rank (None without stages): their parameters are disjoint."""
+        return self.mesh.world["pp"].get_group() if self.pipe is not None else None
 
     @property
     def is_main(self) -> bool:
@@ -44,9 +56,37 @@ class Layout:
     def mean_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach() if self.mesh is None else self.mesh.mean_over_dp(t)
 
+    def sum_counts(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-rank routing counts -> the whole step's: summed over every rank (the data-parallel
+        and expert ranks saw different tokens, the pipeline ranks hold different layers), then
+        divided by Tp, whose ranks route the same tokens (each reports them once)."""
+        if self.mesh is None:
+            return t
+        out = t.clone()
+        dist.all_reduce(out)
+        return out // self.mesh.tp
+
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+
+class StageView(nn.Module):
+    """This rank's pipeline stage modules under the whole model's names (``tok_embeddings``,
+    ``layers.<i>``, ``norm``, ``output``: a stage keeps its layers' keys), for the optimiser,
+    the checkpoints and the balance stats. It shares the stages' modules and has no forward:
+    the schedule runs the stages."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.config = parts[0].config
+        self.layers = nn.ModuleDict()
+        for part in parts:
+            for name, layer in part.layers.items():
+                self.layers[name] = layer
+            for attr in ("tok_embeddings", "norm", "output"):
+                if getattr(part, attr) is not None:
+                    setattr(self, attr, getattr(part, attr))
 
 
 def setup(cfg) -> tuple[torch.device, Layout | None]:
@@ -71,16 +111,22 @@ def parallelize(model: nn.Module, cfg, device: torch.device) -> tuple[nn.Module,
     """Lay ``model`` out as ``cfg`` says (``cfg.dp_shard`` already resolved by the command)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..parallel import LlamaMesh, parallelize_llama
+    from ..parallel import LlamaMesh, parallelize_llama, pipeline_llama
 
-    shape = (cfg.dp_replicate, cfg.dp_shard, cfg.tp)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    shape = (cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.tp)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     lm = LlamaMesh.build(mesh, ep=cfg.ep)
     moe = model.config.moe
     # BASE balances over the whole ep group, as one process balances over the whole batch
     global_base = cfg.ep > 1 and moe is not None and moe.router == "base"
-    model = parallelize_llama(model, lm, ep=cfg.ep, etp=cfg.etp, global_base=global_base)
-    return model, Layout(lm)
+    if cfg.pp == 1:
+        model = parallelize_llama(model, lm, ep=cfg.ep, etp=cfg.etp, global_base=global_base)
+        return model, Layout(lm)
+    pipe = pipeline_llama(
+        model, lm, schedule=PP_SCHEDULES[cfg.pp_schedule], microbatches=cfg.micro_batches or cfg.pp,
+        ep=cfg.ep, global_base=global_base,
+    )  # fmt: skip
+    return StageView(pipe.models), Layout(lm, pipe)
 
 
 def _unpartial(g: DTensor) -> DTensor:
@@ -90,11 +136,12 @@ def _unpartial(g: DTensor) -> DTensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float) -> float:
+def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
     """`torch.nn.utils.clip_grad_norm_` (2-norm) for gradients that are DTensors on different
     meshes (experts over edp x ep, the rest over dp, tp shards): each gradient's local squared
     sum is summed over the mesh dimensions that shard it (never over the replicating ones), so
-    every element counts once, then over all gradients. Every rank gets the same norm."""
+    every element counts once, then over all gradients, then over ``pp_group`` (the pipeline
+    ranks: each holds other stages' parameters). Every rank gets the same norm."""
     grads = [p.grad for p in params if p.grad is not None]
     sums: dict[tuple, torch.Tensor] = {}  # (mesh dims, sharded dims) -> local squared sum
     meshes: dict[tuple, object] = {}
@@ -118,6 +165,8 @@ def clip_grad_norm(params, max_norm: float) -> float:
         for i in key[2]:
             dist.all_reduce(s, group=meshes[key].get_group(i))
         total = total + s
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     norm = float(total.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:

@@ -3,7 +3,13 @@ checkpoints, metrics), nanoGPT-small on purpose.
 
 Loss of a step: ``lm_loss`` (mean next-token cross entropy over the global batch) plus
 ``aux_loss`` (the MoE layers' aux and z losses, already weighted by their coefficients).
-fp32 on CPU; bf16 autocast on a GPU (the parameters and the optimiser stay fp32).
+fp32 on CPU; bf16 autocast on a GPU (the parameters and the optimiser stay fp32), except with
+pipeline stages, which pass fp32 activations between them and run in fp32.
+
+With pipeline stages (``--pp``) the schedule runs the forward and backward of the step in
+micro-batches (`moe.parallel.LlamaPipeline.step`); ``self.model`` is then a `StageView` of this
+rank's stages, which the optimiser, the checkpoints and the balance stats use as they use the
+whole model in one process.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, model_config
 from .data import load_corpus, load_tokenizer
 from .distributed import clip_grad_norm, parallelize, setup
-from .metrics import MetricsLog, moe_layer_stats, plot_run
+from .metrics import LoadCounter, MetricsLog, moe_layer_keys, plot_run
 
 __all__ = ["Trainer", "lr_lambda", "train"]
 
@@ -71,8 +77,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
             self.model = Llama(self.model_config)
+        keys = moe_layer_keys(self.model)  # of the whole model, before a pipeline cuts it
         if self.layout is None:  # launched by torchrun: the same model on every rank, then sharded
             self.model, self.layout = parallelize(self.model, cfg, self.device)
+        self.pipe = self.layout.pipe
+        moe = self.model_config.moe
+        self.loads = LoadCounter(self.model, keys, moe.num_experts if moe else 0, self.device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -91,22 +101,32 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return self.layout.local_batch(t).to(self.device)
+
     def _lm_loss(self, inputs, targets):
         """This rank's mean cross entropy over its rows of the global batch."""
-        inputs, targets = self.layout.local_batch(inputs), self.layout.local_batch(targets)
         with self._autocast():
-            logits = self.model(inputs.to(self.device))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
+            logits = self.model(self._local(inputs))
+        return F.cross_entropy(logits.float().flatten(0, 1), self._local(targets).flatten())
+
+    def _modules(self) -> list[torch.nn.Module]:
+        return self.pipe.models if self.pipe is not None else [self.model]
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
+        for m in self._modules():
+            m.eval()
         total, n = 0.0, 0
         for inputs, targets in self.corpus.val_batches(self.cfg.eval_batches, self.cfg.batch, self.cfg.seq_len):
-            total += float(self.layout.mean_over_dp(self._lm_loss(inputs, targets)))
+            if self.pipe is not None:
+                total += float(self.pipe.evaluate(self._local(inputs), self._local(targets)))
+            else:
+                total += float(self.layout.mean_over_dp(self._lm_loss(inputs, targets)))
             n += 1
-        aux_loss(self.model)  # discard what the eval forwards left pending
-        self.model.train()
+        for m in self._modules():
+            aux_loss(m)  # discard what the eval forwards left pending
+            m.train()
         return total / n
 
     def train_step(self) -> dict:
@@ -114,16 +134,21 @@ class Trainer:
         inputs, targets = self.corpus.batch(self.step, cfg.seed, cfg.batch, cfg.seq_len)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        with loss_context(self.model):  # the trainer contract of moe.parallel (docs/training.md)
-            lm = self._lm_loss(inputs, targets)
-            aux = router_loss(self.model).float()
-            loss = lm + aux
-            loss.backward()
+        self.loads.reset()
+        if self.pipe is not None:  # forward and backward of every micro-batch, losses meaned over dp
+            self.pipe.step(self._local(inputs), self._local(targets))
+            lm, aux = self.pipe.lm_loss, self.pipe.aux_loss
+        else:
+            with loss_context(self.model):  # the trainer contract of moe.parallel (docs/training.md)
+                lm = self._lm_loss(inputs, targets)
+                aux = router_loss(self.model).float()
+                loss = lm + aux
+                loss.backward()
+            lm, aux = self.layout.mean_over_dp(lm), self.layout.mean_over_dp(aux)
         if self.layout.mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        else:  # gradients on several meshes: torch's clip would stack norms of different meshes
-            grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip)
-        lm, aux = self.layout.mean_over_dp(lm), self.layout.mean_over_dp(aux)
+        else:  # gradients on several meshes (and stages): torch's clip would stack norms of different meshes
+            grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip, self.layout.pp_group)
         loss = lm + aux
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -138,7 +163,7 @@ class Trainer:
             "tokens_per_s": cfg.batch * cfg.seq_len / dt,
             "lr": lr,
             "grad_norm": float(grad_norm),
-            "moe": moe_layer_stats(self.model),
+            "moe": self.loads.stats(self.layout.sum_counts),
         }
 
     def save(self) -> Path:

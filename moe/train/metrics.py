@@ -8,7 +8,8 @@ Every line of ``metrics.jsonl`` is one optimiser step::
 
 The line of step 0 holds only ``val_loss``, the validation loss before training.
 ``moe`` has one entry per MoE layer (by layer index): max load / mean load, the coefficient of
-variation of the loads, the fraction of slots dropped, and each expert's share of the slots.
+variation of the loads, the fraction of slots dropped, and each expert's share of the slots,
+over the whole global batch of the step (every rank's tokens, every micro-batch: `LoadCounter`).
 """
 
 from __future__ import annotations
@@ -20,29 +21,81 @@ import torch
 from torch import nn
 
 from ..layer import MoE
+from ..routing.common import in_backward
 
-__all__ = ["MetricsLog", "moe_layer_stats", "plot_run"]
+__all__ = ["LoadCounter", "MetricsLog", "moe_layer_keys", "plot_run"]
 
 
-def moe_layer_stats(model: nn.Module) -> dict[str, dict]:
-    """Balance of each MoE layer's last routing, keyed by the layer's index in ``model.layers``."""
-    out = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, MoE) or module.last_routing is None:
-            continue
-        res = module.last_routing
-        key = name.split(".")[1] if name.startswith("layers.") else name
-        counts = res.counts.detach().double()
-        load = (counts / counts.sum().clamp(min=1)).tolist()
-        s = res.stats
-        if s is None:  # routers that skip stats (no host read): compute them here
-            mean = counts.mean().clamp(min=1e-12)
-            s_max, s_cv = float(counts.max() / mean), float(counts.std(unbiased=False) / mean)
-            dropped = 1.0 - float(counts.sum()) / max(res.expert_idx.numel(), 1)
-        else:
-            s_max, s_cv, dropped = s.max_load, s.load_cv, s.dropped_fraction
-        out[key] = {"max_load": s_max, "cv": s_cv, "dropped": dropped, "load": load}
-    return out
+class LoadCounter:
+    """Each MoE layer's routing over one step, summed over its forwards and over the ranks.
+
+    Legend: L MoE layers of the whole model, E experts.
+
+    A forward hook on every MoE layer of ``model`` (in training mode only, so evaluation does
+    not count, and not in an activation-checkpointing re-run) adds the layer's per-expert
+    counts, slots and dropped slots to one (L, E + 2) int64 tensor on the device, without a
+    host read: the micro-batches of a pipeline step add up. `stats` then sums it over the ranks
+    with ``sum_over_ranks`` (one all-reduce per step, after the step) and derives the balance,
+    so the logged loads are those of the whole global batch, as in one process.
+
+    ``keys`` names every MoE layer of the whole model (its index in ``model.layers``), the same
+    on every rank; a pipeline rank fills the rows of the layers it holds and leaves the others 0.
+    Slots are T*K (T for expert choice, whose dropped slots are the tokens no expert took).
+    """
+
+    def __init__(self, model: nn.Module, keys: list[str], num_experts: int, device) -> None:
+        self.keys, self.num_experts = list(keys), num_experts
+        self.rows = torch.zeros(len(self.keys), num_experts + 2, dtype=torch.int64, device=device)
+        for name, module in model.named_modules():
+            if isinstance(module, MoE):
+                module.register_forward_hook(self._hook(self.keys.index(_layer_key(name))))
+
+    def _hook(self, row: int):
+        def hook(module: MoE, args, out) -> None:
+            res = module.last_routing
+            if not module.training or res is None or in_backward():
+                return
+            idx = res.expert_idx
+            if module.config.router == "expert_choice":  # idx (T, E): a token no expert took is dropped
+                slots, dropped = idx.shape[0], (idx < 0).all(dim=1).sum()
+            else:
+                slots, dropped = idx.numel(), idx.numel() - res.counts.sum()
+            r = self.rows[row]
+            r[: self.num_experts] += res.counts.to(r.device)
+            r[self.num_experts] += slots
+            r[self.num_experts + 1] += dropped.to(r.device)
+
+        return hook
+
+    def reset(self) -> None:
+        self.rows.zero_()
+
+    def stats(self, sum_over_ranks=None) -> dict[str, dict]:
+        """The balance of each MoE layer over the step: max load / mean, coefficient of variation
+        of the loads, fraction of slots dropped, each expert's share of the routed slots."""
+        rows = self.rows if sum_over_ranks is None else sum_over_ranks(self.rows)
+        rows = rows.double().cpu()
+        out = {}
+        for key, r in zip(self.keys, rows, strict=True):
+            counts, slots, dropped = r[: self.num_experts], float(r[-2]), float(r[-1])
+            mean = float(counts.mean())
+            routed = float(counts.sum())
+            out[key] = {
+                "max_load": float(counts.max()) / mean if mean > 0 else 0.0,
+                "cv": float(counts.std(unbiased=False)) / mean if mean > 0 else 0.0,
+                "dropped": dropped / slots if slots else 0.0,
+                "load": (counts / routed).tolist() if routed else [0.0] * self.num_experts,
+            }
+        return out
+
+
+def moe_layer_keys(model: nn.Module) -> list[str]:
+    """The MoE layers of ``model`` by their index in ``model.layers``, in model order."""
+    return [_layer_key(name) for name, module in model.named_modules() if isinstance(module, MoE)]
+
+
+def _layer_key(name: str) -> str:
+    return name.split(".")[1] if name.startswith("layers.") else name
 
 
 class MetricsLog:

@@ -1,10 +1,13 @@
 """`moe train` under parallel layouts (subprocesses through ``--nproc``, torchrun's agent):
-the same seed and global batch give the one-process losses, and a checkpoint written under one
-layout resumes under another.
+the same seed and global batch give the one-process losses and expert loads, a checkpoint
+written under one layout resumes under another, and Ctrl-C stops every rank with a checkpoint.
 
 Tolerances (fp32 on CPU): losses rtol 1e-5 (the layouts differ from one process only by the
 order of their reductions); the gradient norm rtol 1e-3 (Adam with eps 1e-8 amplifies the
-rounding of near-zero gradient entries from the second step on; the first step's norm agrees to ~1e-5).
+rounding of near-zero gradient entries from the second step on; the first step's norm agrees to
+~1e-5); the per-layer balance stats (from integer counts summed over the ranks) rtol 1e-9:
+the same tokens go to the same experts, and a rounding difference in a router score that
+flipped one choice would show.
 
 The runs have no load-balancing loss (``--aux-loss-coef 0``): it is not linear in the tokens, so a
 data-parallel rank's aux loss over its own rows, averaged over the ranks, is not the one over the
@@ -13,8 +16,11 @@ as one process balances over the batch.
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,6 +28,10 @@ from .run import ROOT, TINY, corpus, env, moe
 
 LOSS = dict(rel=1e-5)
 NORM = dict(rel=1e-3)
+LOADS = dict(rel=1e-9, abs=1e-12)
+# top-k without the aux loss routes each token on its own: data-parallel ranks, micro-batches
+# and pipeline stages route the one-process batch's tokens as one process does
+TOPK = [*TINY, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 10, "--router", "topk", "--aux-loss-coef", 0]
 
 
 def _metrics(run):
@@ -38,11 +48,25 @@ def _same(rows, expect, what):
                 assert r[key] == pytest.approx(e[key], **LOSS), (what, r["step"], key)
         if "grad_norm" in e:
             assert r["grad_norm"] == pytest.approx(e["grad_norm"], **NORM), (what, r["step"])
+        if "moe" in e:  # the whole global batch's loads, not rank 0's share
+            assert sorted(r["moe"]) == sorted(e["moe"]) != [], (what, r["step"])
+            for layer, stats in e["moe"].items():
+                got = r["moe"][layer]
+                for key in ("max_load", "cv", "dropped", "load"):
+                    assert got[key] == pytest.approx(stats[key], **LOADS), (what, r["step"], layer, key)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def topk_one(tmp_path_factory, data):
+    """The one-process metrics of the `TOPK` run."""
+    run = tmp_path_factory.mktemp("topk") / "one"
+    moe("train", *TOPK, "--data", data, "--out", run)
+    return _metrics(run)
 
 
 def test_ep2_and_tp2_give_the_one_process_losses_and_ep2_resumes_in_one_process(tmp_path, data):
@@ -55,7 +79,7 @@ def test_ep2_and_tp2_give_the_one_process_losses_and_ep2_resumes_in_one_process(
     assert [r["step"] for r in _metrics(ep2)] == [0, 1, 2]
     moe("train", *common, "--out", tp2, "--nproc", 2, "--tp", 2, "--stop-at", 2)
     _same(_metrics(tp2), expect, "tp=2")
-    proc = moe("train", "--out", ep2, "--resume")  # written by dp_shard=2 x ep=2, read by one process
+    proc = moe("train", "--out", ep2, "--resume", "--nproc", 1)  # written by dp_shard=2 x ep=2, read by one process
     assert "at step 2" in proc.stdout + proc.stderr
     rows = _metrics(ep2)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
@@ -74,15 +98,99 @@ def test_a_bad_layout_under_torchrun_exits_2_on_every_rank(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_dp_shard2_resumes_under_tp2(tmp_path, data):
-    # top-k without the aux loss routes each token on its own, so dp ranks equal one process
-    common = [*TINY, "--data", data, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 10,
+def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, data, topk_one):
+    """Interleaved 1F1B (two stages per rank, so a rank's StageView joins two stage modules)
+    with two micro-batches: the losses, the global gradient norm over both stages and the loads
+    (layer 3 lives on the second rank) equal one process; the checkpoint, keyed by the whole
+    model's names, resumes in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from moe.models.llama import Llama
+    from moe.train.config import model_config_from_dict
+
+    run = tmp_path / "pp2"
+    layout = ["--nproc", 2, "--pp", 2, "--pp-schedule", "interleaved", "--micro-batches", 2]
+    moe("train", *TOPK, "--data", data, "--out", run, *layout, "--stop-at", 2)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    _same(rows, topk_one, "pp=2")
+
+    saved = dcp.FileSystemReader(str(run / "checkpoints" / "step_000002")).read_metadata().state_dict_metadata
+    model = Llama(model_config_from_dict(json.loads((run / "config.json").read_text())["model"]))
+    names = set(model.state_dict())
+    assert {k.removeprefix("model.") for k in saved if k.startswith("model.")} == names
+    assert {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in saved if k.startswith("optim.state.")} == {
+        n for n, _ in model.named_parameters()
+    }
+
+    proc = moe("train", "--out", run, "--resume", "--nproc", 1)  # a new layout: one process, no stages
+    assert "at step 2" in proc.stdout + proc.stderr
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    _same(rows, topk_one, "pp=2 -> pp=1")
+
+
+@pytest.mark.parametrize("layout", [["--dp-replicate", 2], ["--tp", 2, "--etp"]], ids=["dp_replicate2", "tp2_etp"])
+def test_dp_replicate_and_etp_give_the_one_process_losses_and_loads(tmp_path, data, topk_one, layout):
+    run = tmp_path / "run"
+    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 2, *layout, "--stop-at", 2)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    _same(rows, topk_one, " ".join(map(str, layout)))
+
+
+def _wait_for_steps(proc, metrics, n):
+    for _ in range(1200):  # until n steps have finished (no time is asserted)
+        if proc.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") >= n + 1):
+            return
+        time.sleep(0.25)
+
+
+def test_ctrl_c_under_nproc2_checkpoints_every_rank_and_resumes(tmp_path, data):
+    """Ctrl-C as a terminal sends it (SIGINT to the launcher's process group) during an ep=2 run:
+    every rank finishes its step, the checkpoint is complete, the exit is 130; the ep=2 loads
+    until then, and the run resumed in one process, equal an uninterrupted one-process run."""
+    common = [*TINY, "--data", data, "--steps", 1000, "--eval-every", 1000, "--checkpoint-every", 1000,
               "--router", "topk", "--aux-loss-coef", 0]  # fmt: skip
-    one, run = tmp_path / "one", tmp_path / "run"
-    moe("train", *common, "--out", one)
-    moe("train", *common, "--out", run, "--nproc", 2, "--stop-at", 2)  # dp_shard=2
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    cmd = [sys.executable, "-m", "moe", "train", *map(str, common), "--out", str(run), "--nproc", "2", "--ep", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+    _wait_for_steps(proc, run / "metrics.jsonl", 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "SIGINT: stopped after step" in out and "resume with: moe train --out" in out, out + err
+    steps = [r["step"] for r in _metrics(run)]
+    k = steps[-1]
+    assert steps == list(range(k + 1)) and 2 <= k < 1000
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == f"step_{k:06d}"  # nothing since the last step is lost
+    assert sorted(p.name for p in (ckpt / f"step_{k:06d}").glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert not list(ckpt.glob(".tmp-*"))
+
+    moe("train", "--out", run, "--resume", "--nproc", 1, "--stop-at", k + 2)  # the layout: one process
+    moe("train", *common, "--out", ref, "--stop-at", k + 2)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(k + 3))
+    _same(rows, _metrics(ref), "ep=2, Ctrl-C, resumed in one process")
+
+
+@pytest.mark.slow
+def test_dp_shard2_resumes_under_tp2(tmp_path, data, topk_one):
+    run = tmp_path / "run"
+    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 2, "--stop-at", 2)  # dp_shard=2
     moe("train", "--out", run, "--resume", "--nproc", 2, "--tp", 2, "--dp-shard", 1)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    _same(rows, _metrics(one), "dp_shard=2 -> tp=2")
+    _same(rows, topk_one, "dp_shard=2 -> tp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--ep", 2], ["--tp", 2]], ids=["pp2_ep2", "pp2_tp2"])
+def test_pp2_with_ep2_or_tp2_on_four_processes(tmp_path, data, topk_one, layout):
+    run = tmp_path / "run"
+    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 4, "--pp", 2, *layout, "--stop-at", 2)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    _same(rows, topk_one, "pp=2 " + " ".join(map(str, layout)))
