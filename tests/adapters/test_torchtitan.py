@@ -65,18 +65,18 @@ JOBS = {
     "topk_aux": Job(_moe(aux_loss_coef=0.05, z_loss_coef=0.01), reference="topk_aux"),
     "topk_aux_selective_ac": Job(_moe(aux_loss_coef=0.05, z_loss_coef=0.01), ac="selective", reference="topk_aux"),
     "topk_full_ac": Job(_moe(z_loss_coef=0.01), ac="full"),
+    "topk_selective_ac": Job(_moe(z_loss_coef=0.01), ac="selective"),
     "base": Job(_moe(router="base"), reference="base"),
     "base_global": Job(_moe(router="base"), global_base=True, reference="base"),
 }
 # What each launch trains, one job after the other in the same processes (a launch costs far
-# more than a three-step run). Selective checkpointing runs every op through a Python dispatch
-# mode, which costs about 15 s a run here, so it runs in one process only; the layouts use full
-# checkpointing instead of none where it matters (the re-run repeats TP's redistributions and
-# EP's collectives).
+# more than a three-step run). Selective checkpointing (torchtitan's default) runs in one
+# process and under TP, full checkpointing under EP (the re-runs repeat TP's redistributions and
+# EP's collectives), each against one process without checkpointing.
 RUNS = {
     "one": ["topk", "topk_aux", "topk_aux_selective_ac", "base"],
     "fsdp2": ["topk", "base_global"],
-    "tp2_sp": ["topk_full_ac"],
+    "tp2_sp": ["topk_selective_ac"],
     "pp2": ["topk"],
     "ep2": ["topk_full_ac", "base_global"],
 }
@@ -251,8 +251,8 @@ def test_layout_matches_one_process(single, layout):
 
 def test_selective_activation_checkpointing_trains_alike(single):
     """torchtitan's --activation_checkpoint.mode selective (its default) against none, with the
-    load-balancing and z losses on: the same losses and gradient norms. (`full` runs in the
-    TP and EP layouts.)"""
+    load-balancing and z losses on: the same losses and gradient norms. (Selective under TP
+    and full under EP run in those layouts.)"""
     refs, _ = single
     log, ref = refs["topk_aux_selective_ac"], refs["topk_aux"]
     _same_training(log, ref)
