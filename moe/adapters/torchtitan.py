@@ -20,7 +20,7 @@ What each parallel dimension does to the MoE layers (docs/adapters.md):
 - PP: nothing to do; each stage's MoE layers carry their router losses to the loss (below).
 - Global BASE (``moe_model_spec(..., global_base=True)``): BASE layers solve their assignment
   over the tokens of every data-parallel rank (torchtitan's "loss" mesh), as one process does
-  over the whole batch, under FSDP2/HSDP, TP and EP alike.
+  over the whole batch (tested under FSDP2 and EP).
 
 Router losses: the aux and z losses are attached to the layer's output by `_AttachLoss`
 (Megatron's aux-loss scaler): the forward value is unchanged and the backward adds
