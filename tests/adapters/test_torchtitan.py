@@ -185,6 +185,8 @@ def _train_job(folder: str, parallelism: dict, job: Job) -> dict:
     trainer.metrics_processor.log = record
     trainer.train()
     trainer.close()
+    if job.moe.router == "base":  # the last step's assignment of this rank's tokens, per MoE layer
+        log["routing"] = [m.moe.last_routing.expert_idx.tolist() for m in layers]
     if job.global_base and len(trainer.model_parts) == 1:
         log["failure"] = _fail_on_one_rank(trainer.model_parts[0], layers[0])
     return log
@@ -242,6 +244,10 @@ def test_layout_matches_one_process(single, layout):
         assert on_ep == {layout == "ep2"}, logs[0]["expert_meshes"]  # only EP puts the experts on the ep mesh
         if job.global_base:  # the assignment is solved over every data-parallel rank's tokens
             assert {a for log in logs for a in log["assign"]} == {"GroupBalance"}
+            # exactly one process's: the ranks' tokens, in rank order, are its batch (per-rank
+            # BASE moves the losses by only ~1e-6 here, inside the tolerance)
+            for i, ref_idx in enumerate(refs["base"]["routing"]):
+                assert sum((log["routing"][i] for log in logs), []) == ref_idx, f"MoE layer {i}"
             # NaN input on the last rank: it raises, and the others too instead of waiting for it
             assert "x must be finite" in logs[-1]["failure"], logs[-1]["failure"]
             assert all("PeerFailedError" in log["failure"] for log in logs[:-1]), logs[0]["failure"]
