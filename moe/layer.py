@@ -36,7 +36,9 @@ class MoE(nn.Module):
     - Losses: the router's aux and z losses (already weighted by their coefficients), summed
       over the forwards, wait on the module until `aux_loss` collects them; ``last_routing``
       keeps a detached copy of the last `RoutingResult` for inspection. Neither keeps an
-      autograd graph past `aux_loss`.
+      autograd graph past `aux_loss`. An activation-checkpointing re-run (a forward inside a
+      backward) adds nothing to that sum; its losses wait apart, for `aux_loss` called in the
+      same backward, and are dropped when the backward ends (see `aux_loss`).
     - torch.compile: on one device the forward traces with ``fullgraph=True`` for every router
       (dropless, or expert choice); see docs/training.md for what changes while it traces.
     """
@@ -56,6 +58,7 @@ class MoE(nn.Module):
             self.shared = SharedExperts(config.dim, width, config.num_shared_experts, config.activation)
         self.last_routing: RoutingResult | None = None
         self._pending_loss: Tensor | None = None
+        self._rerun_loss: Tensor | None = None  # losses of the re-runs in the current backward
         self.parallel = None  # set by moe.parallel.parallelize_moe
 
     def reset_parameters(self) -> None:
@@ -97,13 +100,32 @@ class MoE(nn.Module):
             y_TD = y_TD + (1 - gates.sum(dim=1, keepdim=True)) * x_TD
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        if not in_backward():  # an activation-checkpointing re-run must not report its loss twice
+        if not in_backward():
             pending = self._pending_loss  # every forward since the last aux_loss counts
             self._pending_loss = loss if pending is None else pending + loss
             self.last_routing = dataclasses.replace(
                 res, weights=res.weights.detach(), aux_loss=res.aux_loss.detach(), z_loss=res.z_loss.detach()
             )
+        else:  # an activation-checkpointing re-run: the first forward has counted this loss already
+            self._keep_rerun_loss(loss)
         return y_TD.view(x.shape)
+
+    def _keep_rerun_loss(self, loss: Tensor) -> None:
+        """Hold a re-run's losses for `aux_loss` called in this backward: code that attaches the
+        losses to the output inside the checkpointed region (the adapters' aux-loss scalers)
+        then does the same in the re-run as in the first forward. Under reentrant
+        checkpointing (Megatron's recompute) the first forward ran without autograd, so the
+        re-run's attachment is the only way they reach the gradients; under non-reentrant
+        checkpointing the re-run runs the same ops as the first forward, as selective
+        checkpointing requires. Dropped when the backward ends, so no graph outlives it."""
+        if self._rerun_loss is None:
+            torch.autograd.Variable._execution_engine.queue_callback(self._drop_rerun_loss)
+            self._rerun_loss = loss
+        else:
+            self._rerun_loss = self._rerun_loss + loss
+
+    def _drop_rerun_loss(self) -> None:
+        self._rerun_loss = None
 
     def _known_rows(self, res: RoutingResult) -> int | None:
         """The number of kept slots when the router fixes it: T*K when it keeps every slot
@@ -124,6 +146,7 @@ class MoE(nn.Module):
         # a copy has run no forward), so the copy starts with none
         state = super().__getstate__()
         state["_pending_loss"] = None
+        state["_rerun_loss"] = None
         return state
 
     def extra_repr(self) -> str:
@@ -141,12 +164,20 @@ def aux_loss(model: nn.Module) -> Tensor:
 
     Add it to the training loss; each layer's pending loss is cleared, so nothing is counted
     twice or kept alive into the next step. A scalar zero when no layer has a loss.
+
+    Called during a backward (inside an activation-checkpointed region that the backward
+    re-runs), it returns instead the losses of the re-runs since the last such call, and leaves
+    the forwards' sum alone: the re-run of ``y = attach(layer(x), aux_loss(layer))`` attaches
+    the same losses as the first forward did, while ``aux_loss`` after the forward still counts
+    each forward once.
     """
+    rerun = in_backward()
+    attr = "_rerun_loss" if rerun else "_pending_loss"
     total = None
     for module in model.modules():
-        if isinstance(module, MoE) and module._pending_loss is not None:
-            total = module._pending_loss if total is None else total + module._pending_loss
-            module._pending_loss = None
+        if isinstance(module, MoE) and getattr(module, attr) is not None:
+            total = getattr(module, attr) if total is None else total + getattr(module, attr)
+            setattr(module, attr, None)
     if total is None:
         param = next(model.parameters(), None)
         return torch.zeros((), device=param.device if param is not None else None)

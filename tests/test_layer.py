@@ -91,6 +91,76 @@ def test_activation_checkpointing_routes_and_reports_once(reentrant):
         torch.testing.assert_close(params[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
 
 
+class _Attach(torch.autograd.Function):
+    """The aux-loss scaler the adapters use: identity on y; the loss gets gradient 1."""
+
+    @staticmethod
+    def forward(ctx, y, loss):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, torch.ones((), device=grad_y.device)
+
+
+def _save_matmuls(ctx, func, *args, **kwargs):
+    """A selective-checkpointing policy in the style of torchtitan's: keep matmul outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.linear.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "selective"])
+def test_router_losses_attached_inside_a_checkpoint_reach_the_gradients_once(mode):
+    """The adapters' pattern, ``attach(layer(x), aux_loss(layer))`` inside the checkpointed
+    region: the gradients equal the plain run's (the losses count once, through the re-run
+    under reentrant checkpointing, which runs the first forward without autograd), and the
+    forwards' own sum still counts each forward once."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    opts = {"aux_loss_coef": 0.5, "z_loss_coef": 0.1}
+    layers = [make("tiny", **opts) for _ in range(2)]
+
+    def block(layer, x):
+        y = layer(x)
+        loss = aux_loss(layer)
+        return _Attach.apply(y, loss) if loss.requires_grad and torch.is_grad_enabled() else y
+
+    x = torch.randn(2, 9, 32)
+    leaves = [x.clone().requires_grad_() for _ in layers]
+    kwargs = {"use_reentrant": mode == "reentrant"}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls)
+    outs = [block(layers[0], leaves[0]), checkpoint(block, layers[1], leaves[1], **kwargs)]
+    for out in outs:
+        out.square().sum().backward()
+    assert layers[0].router.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(leaves[1].grad, leaves[0].grad)
+    params = dict(layers[1].named_parameters())
+    for name, p in layers[0].named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+    for layer in layers:
+        assert layer._pending_loss is None and layer._rerun_loss is None  # nothing left for a later step
+
+
+def test_a_rerun_loss_nobody_collects_is_dropped_when_the_backward_ends():
+    """aux_loss collected after the forward (outside the checkpoint): the re-run's losses wait
+    for a call in the backward that never comes, and the backward's end drops them."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    layer = make("tiny", aux_loss_coef=0.5)
+    with set_checkpoint_early_stop(False):  # the re-run goes on past the last saved tensor, to the loss
+        y = checkpoint(layer, torch.randn(9, 32, requires_grad=True), use_reentrant=False)
+    loss = y.square().sum() + aux_loss(layer)
+    seen = []
+    layer.router.weight.register_hook(lambda g: seen.append(layer._rerun_loss is not None))  # after the re-run
+    loss.backward()
+    assert seen == [True] and layer._rerun_loss is None
+
+
 def test_base_balances_in_training_and_routes_greedily_in_eval():
     layer = make("tiny-base")
     x = torch.randn(22, 32)

@@ -18,6 +18,9 @@ What each parallel dimension does to the MoE layers (docs/adapters.md):
   become ``Shard(0)`` DTensors on torchtitan's ``ep`` mesh, our dispatcher moves the rows
   (all-to-all), and FSDP shards them further over ``efsdp`` as torchtitan does for its own MoE.
 - PP: nothing to do; each stage's MoE layers carry their router losses to the loss (below).
+- Global BASE (``moe_model_spec(..., global_base=True)``): BASE layers solve their assignment
+  over the tokens of every data-parallel rank (torchtitan's "loss" mesh), as one process does
+  over the whole batch (tested under FSDP2 and EP).
 
 Router losses: the aux and z losses are attached to the layer's output by `_AttachLoss`
 (Megatron's aux-loss scaler): the forward value is unchanged and the backward adds
@@ -25,11 +28,15 @@ Router losses: the aux and z losses are attached to the layer's output by `_Atta
 pipeline stage without the trainer knowing about them. The scale is set so that it matches
 torchtitan's loss normalisation (its losses are sums divided by the global token count and
 summed over ranks): 1 / (data-parallel ranks * microbatches * gradient-accumulation steps).
+Under activation checkpointing (full or selective) the re-run in the backward attaches the
+same losses again (`moe.aux_loss` called during a backward returns the re-run's), so the
+graphs match and the losses count once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -37,8 +44,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..config import MoEConfig
 from ..layer import MoE, aux_loss
-from ..parallel import ExpertParallel
-from ..routing import TopKRouter
+from ..parallel import ExpertParallel, GroupBalance
+from ..parallel.agreement import exchange_sizes
+from ..routing import BaseRouter, TopKRouter
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -89,9 +97,17 @@ class MoEFeedForward(Module):
         super().__init__()
         self.moe = MoE(config.moe)
         self.aux_loss_scale = 1.0  # set by `parallelize_llama_moe` from the trainer's batch layout
+        self.balance: _GlobalBalance | None = None  # global BASE without EP: its status collective
 
     def _init_self_parameters(self) -> None:
-        self.moe.reset_parameters()
+        router = self.moe.router
+        if isinstance(router, BaseRouter) and isinstance(router.weight, DTensor):
+            _reset_whole(router)  # BASE's orthogonal init needs the whole matrix (a QR), not a shard
+            for module in (self.moe.experts, self.moe.shared):
+                if module is not None:
+                    module.reset_parameters()
+        else:
+            self.moe.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(x, DTensor):  # tensor parallel: gather the sequence, hand it back after
@@ -107,14 +123,38 @@ class MoEFeedForward(Module):
             for name, t in [*self.moe.named_parameters(), *self.moe.named_buffers()]
             if isinstance(t, DTensor) and all(p.is_replicate() for p in t.placements)
         }
-        if replicated:
-            y = torch.func.functional_call(self.moe, replicated, (x_BLD,), {"seq_len": seq_len}, strict=False)
-        else:
-            y = self.moe(x_BLD, seq_len=seq_len)
+        if self.balance is not None and self.moe.training:
+            self.balance.start()
+        try:
+            if replicated:
+                y = torch.func.functional_call(self.moe, replicated, (x_BLD,), {"seq_len": seq_len}, strict=False)
+            else:
+                y = self.moe(x_BLD, seq_len=seq_len)
+        except ValueError as err:
+            if self.balance is None:
+                raise
+            self.balance.relay(err)  # the other ranks wait in the size exchange: they raise too
         loss = aux_loss(self.moe)  # this call's router losses (zero without coefficients)
         if loss.requires_grad and torch.is_grad_enabled():
             y = _AttachLoss.apply(y, loss, self.aux_loss_scale)
         return y
+
+
+@torch.no_grad()
+def _reset_whole(module: nn.Module) -> None:
+    """``module.reset_parameters()`` on whole plain tensors, then each DTensor parameter takes its
+    shard of the first rank's values (so every rank holds the same matrix, as one process)."""
+    params = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    for name, p in params.items():
+        setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)))
+    try:
+        module.reset_parameters()
+        whole = {name: getattr(module, name).detach() for name in params}
+    finally:
+        for name, p in params.items():
+            setattr(module, name, p)
+    for name, p in params.items():
+        p.to_local().copy_(distribute_tensor(whole[name], p.device_mesh, p.placements).to_local())
 
 
 class Llama3MoEModel(Llama3Model):
@@ -189,6 +229,42 @@ def _attach_expert_parallel(layer: MoE, ep_mesh) -> None:
         layer.router.sum_over_ranks = lambda t: _summed(t, group)  # the bias moves alike everywhere
 
 
+class _GlobalBalance:
+    """The one status collective of a global-BASE forward when the layer has no expert
+    parallelism (so no `moe.parallel.Agreement`): `GroupBalance`'s size exchange. A rank that
+    fails before it (bad input, NaN logits) sends -1 there instead, so every rank raises."""
+
+    def __init__(self, group, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.ahead = False
+
+    def start(self) -> None:
+        self.ahead = True
+
+    def passed(self, stage: str) -> None:  # told by GroupBalance when its exchange has run
+        self.ahead = False
+
+    def relay(self, err: Exception):
+        if self.ahead:
+            self.ahead = False
+            exchange_sizes(-1, self.group, self.device)
+        raise err
+
+
+def _balance_globally(ff: MoEFeedForward, mesh) -> None:
+    """BASE over every data-parallel rank's tokens: `moe.parallel.GroupBalance` on ``mesh``'s
+    group (torchtitan's "loss" mesh: the ranks that hold different tokens), so the assignment is
+    the one a single process makes over the whole batch. Under EP its size exchange is one of
+    the dispatcher's status collectives; without EP `_GlobalBalance` carries failures."""
+    layer, group = ff.moe, mesh.get_group()
+    layer.router.assign = GroupBalance(group, solver=layer.router.assign)
+    if layer.parallel is not None:
+        layer.router.assign.agreement = layer.parallel.agreement
+        layer.parallel.agreement.global_group = group
+    else:
+        ff.balance = layer.router.assign.agreement = _GlobalBalance(group, torch.device(mesh.device_type))
+
+
 def _replicate_on(module: nn.Module, mesh) -> None:
     for sub in module.modules():
         for name, p in list(sub.named_parameters(recurse=False)):
@@ -204,10 +280,24 @@ def _summed(t: Tensor, group) -> Tensor:
     return t
 
 
-def parallelize_llama_moe(model: nn.Module, *, parallel_dims, training, parallelism, **kwargs) -> nn.Module:
+def parallelize_llama_moe(
+    model: nn.Module, *, parallel_dims, training, parallelism, global_base: bool = False, **kwargs
+) -> nn.Module:
     """torchtitan's ``parallelize_llama`` (TP/SP, activation checkpointing, compile, FSDP2)
-    with the MoE layers' expert parallelism and aux-loss scale set first. Same signature."""
+    with the MoE layers' expert parallelism and aux-loss scale set first. Same signature, plus
+    ``global_base``: BASE layers balance over all data-parallel ranks' tokens (as one process
+    over the whole batch) instead of each rank's own; `moe_model_spec` passes it."""
     layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if layers and parallel_dims.ep_enabled and parallel_dims.tp_enabled:
+        # torchtitan's ep mesh takes its ranks from the tp ranks too, which here all route the same tokens
+        raise NotImplementedError(
+            "expert parallelism with our MoE runs over data-parallel ranks only (tensor_parallel_degree=1); got "
+            f"tensor_parallel_degree={parallel_dims.tp} with expert_parallel_degree={parallel_dims.ep}"
+        )
+    if global_base:
+        others = sorted({m.moe.config.router for m in layers if not isinstance(m.moe.router, BaseRouter)})
+        if others:
+            raise ValueError(f"global_base=True needs BASE routers in every MoE layer, got router={others}")
     dp = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
     micro = 1
     if parallel_dims.pp_enabled:
@@ -224,11 +314,6 @@ def parallelize_llama_moe(model: nn.Module, *, parallel_dims, training, parallel
         for m in layers:
             _replicate_on(m.moe, tp_mesh)
     if parallel_dims.ep_enabled and layers:
-        if parallel_dims.tp_enabled:
-            raise NotImplementedError(
-                "expert parallelism with our MoE runs over data-parallel ranks only; got tensor_parallel_degree="
-                f"{parallel_dims.tp} with expert_parallel_degree={parallel_dims.ep}"
-            )
         ep_mesh, efsdp_mesh = parallel_dims.get_mesh("ep"), parallel_dims.get_mesh("efsdp")
         policy = MixedPrecisionPolicy(
             param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
@@ -238,6 +323,10 @@ def parallelize_llama_moe(model: nn.Module, *, parallel_dims, training, parallel
         for m in layers:
             _attach_expert_parallel(m.moe, ep_mesh)
             fully_shard(m.moe.experts, mesh=efsdp_mesh, mp_policy=policy)
+    loss_mesh = parallel_dims.get_optional_mesh("loss")  # None with one data-parallel rank
+    if global_base and loss_mesh is not None:
+        for m in layers:
+            _balance_globally(m, loss_mesh)
     return parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
 
 
@@ -265,11 +354,16 @@ def _zero_filled(to_tensor):
     return zero_filled
 
 
-def moe_model_spec(spec: ModelSpec, moe: MoEConfig, *, every: int = 1, first: int = 0) -> ModelSpec:
+def moe_model_spec(
+    spec: ModelSpec, moe: MoEConfig, *, every: int = 1, first: int = 0, global_base: bool = False
+) -> ModelSpec:
     """A torchtitan llama3 ``ModelSpec`` with `MoEFeedForward` in every ``every``-th block from
-    ``first``, parallelised by `parallelize_llama_moe`; the rest of the spec is unchanged."""
+    ``first``, parallelised by `parallelize_llama_moe`; the rest of the spec is unchanged.
+    ``global_base`` (BASE routers only): balance over all data-parallel ranks' tokens."""
     if not isinstance(spec.model, Llama3Model.Config):
         raise ValueError(f"spec must be a torchtitan llama3 ModelSpec, got a {type(spec.model).__name__}")
+    if global_base and moe.router != "base":
+        raise ValueError(f"global_base=True needs moe.router='base', got {moe.router!r}")
     base = {f.name: getattr(spec.model, f.name) for f in dataclasses.fields(Llama3Model.Config)}
     model = Llama3MoEModel.Config(**base, moe=moe, moe_every=every, moe_first=first)
     _check_moe_config(model)
@@ -277,7 +371,9 @@ def moe_model_spec(spec: ModelSpec, moe: MoEConfig, *, every: int = 1, first: in
         spec,
         name=f"{spec.name}_moe",
         model=model,
-        parallelize_fn=parallelize_llama_moe,
+        parallelize_fn=functools.partial(parallelize_llama_moe, global_base=True)
+        if global_base
+        else parallelize_llama_moe,
         pipelining_fn=pipeline_llama_moe,
         state_dict_adapter=None,  # the HF Llama conversion knows no MoE weights
     )

@@ -12,7 +12,7 @@ failure notice, and in this order:
   ep, checked on the device, before the tokens are gathered or routed;
 - "etp" (etp meshes): each etp rank's T and seq_len, over etp, before the tokens are gathered;
 - "bias" (top-k with the aux-loss-free bias, training): the load all-reduce over the mesh;
-- "global" (global BASE, training): the size exchange over ep;
+- "global" (global BASE, training): the size exchange over ep (or the group it balances over);
 - "counts" (counted path) or "static" (static path, host-reading router): the count exchange,
   or each rank's T, over ep, after routing and before any row moves.
 
@@ -123,6 +123,9 @@ class Agreement:
         self.num_experts = num_experts
         self.device = torch.device(mesh.device_type)
         self.ahead: list[str] = []  # status collectives still to run in this forward
+        # the group of the "global" stage: global BASE's, the ep group unless it balances over
+        # a larger one (the torchtitan adapter's, over every data-parallel rank)
+        self.global_group = ep_group
 
     def start(self, stages: list[str]) -> None:
         self.ahead = list(stages)
@@ -140,7 +143,9 @@ class Agreement:
             elif stage == "bias":
                 loads = torch.zeros(self.num_experts + 1, dtype=torch.float32, device=self.device)  # as the router's
                 self.sum_loads(loads, failed=True)
-            elif stage in ("global", "static"):
+            elif stage == "global":
+                exchange_sizes(-1, self.global_group, self.device)
+            elif stage == "static":
                 exchange_sizes(-1, self.ep_group, self.device)
             else:  # "counts": the count exchange of `dispatch`, every count -1
                 world = dist.get_world_size(self.ep_group)

@@ -71,6 +71,12 @@ def install() -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
     fsdp.disable_fsdp_gradient_division = sum_not_premul
+    # Replaces the 2 s sleep at the end of Trainer.train on rank 0 ("for other ranks to
+    # complete"): the tests' launcher joins every process itself, and a launch trains several
+    # runs one after the other.
+    import torchtitan.trainer as trainer
+
+    trainer.time = types.SimpleNamespace(**{**vars(trainer.time), "sleep": lambda seconds: None})
 
 
 def adapt_schedule(trainer) -> None:
