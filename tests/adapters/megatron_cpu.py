@@ -83,3 +83,8 @@ def install() -> None:
     # Replaces torch.cuda.synchronize, which Megatron's pipeline p2p calls after its sends and
     # receives; gloo's waits have already completed them.
     torch.cuda.synchronize = lambda device=None: None
+    # Replaces Megatron's CUDA generator save/restore around its activation recompute
+    # (``CheckpointFunction`` keeps the CPU, CUDA and tracker states of the first forward for
+    # the re-run): there is no CUDA generator here, and the CPU state is still kept.
+    meg_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    meg_random._set_cuda_rng_state = lambda *args, **kwargs: None

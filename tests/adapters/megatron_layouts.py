@@ -16,10 +16,14 @@ AUX = 0.05  # aux-loss coefficient: the router losses must reach the gradients
 RTOL = 1e-5  # fp32; absolute allowance RTOL * max|reference| per tensor
 
 
-def _transformer_config(*, tp: int = 1, pp: int = 1, sp: bool = False, aux: float = AUX):
+def _transformer_config(*, tp: int = 1, pp: int = 1, sp: bool = False, aux: float = AUX, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # recompute: Megatron's full activation recompute of every layer (its reentrant checkpoint),
+    # so each MoE forward runs again inside the backward and attaches its router losses there
+    checkpointing = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
+        **(checkpointing if recompute else {}),
         num_layers=LAYERS,
         hidden_size=H,
         num_attention_heads=HEADS,
@@ -199,6 +203,7 @@ def run_layout(
     sp: bool = False,
     aux: float = AUX,
     base: bool = False,
+    recompute: bool = False,
 ):
     """Train one step under the layout, check the losses and every gradient against the
     one-process run ``refs[aux]`` (``refs["base"]`` for BASE); returns how many tensors were
@@ -209,7 +214,7 @@ def run_layout(
     weights, ref_losses, ref_grads = refs["base" if base else aux]  # the BASE run has no aux loss
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     try:
-        config = _transformer_config(tp=tp, pp=pp, sp=sp, aux=aux)
+        config = _transformer_config(tp=tp, pp=pp, sp=sp, aux=aux, recompute=recompute)
         model = build_gpt(config, base=base)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -219,7 +224,7 @@ def run_layout(
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         micro = batches()[dp_rank::dp]  # data parallel: rank r takes every dp-th microbatch
         losses = train_step(ddp, micro)
-        label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp} aux={aux} base={base}"
+        label = f"tp={tp} pp={pp} ep={ep} etp={etp} sp={sp} aux={aux} base={base} recompute={recompute}"
         if parallel_state.is_pipeline_last_stage():
             per_seq = torch.cat(ref_losses).view(N_MICRO, B)  # the step's sequences, microbatch by microbatch
             want, got = per_seq[dp_rank::dp].reshape(-1), torch.cat(losses)
@@ -251,6 +256,9 @@ LAYOUTS = [
     # EP2 with BASE balanced over the ep group: one assignment of both ranks' tokens, as one
     # process balances them in one microbatch
     dict(ep=2, base=True, aux=0.0),
+    # TP2 + SP, experts split over etp, with Megatron's full activation recompute: the router
+    # losses of the re-run forwards reach the gradients once
+    dict(tp=2, sp=True, recompute=True),
 ]
 
 

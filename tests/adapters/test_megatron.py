@@ -192,7 +192,7 @@ def test_megatron_mlp_slot_returns_output_and_no_bias_with_the_aux_loss_scaled(r
 @pytest.mark.parametrize("layout", megatron_layouts.LAYOUTS, ids=megatron_layouts.layout_id)
 def test_megatron_gpt_layout_gives_the_one_process_losses_and_gradients(results, layout):
     """TP2, TP2+SP (experts split over etp = tp, and replicated), PP2 (1F1B), EP2, EP2 under
-    SP and EP2 with global BASE against one process: losses and every gradient (fp32, rtol
+    SP, EP2 with global BASE and TP2+SP under full recompute against one process: losses and every gradient (fp32, rtol
     1e-5), router losses included (see megatron_layouts.LAYOUTS)."""
     _expect_passed(results, f"layout-{megatron_layouts.layout_id(layout)}")
 
