@@ -39,6 +39,8 @@ LAYOUTS = {  # name: (world, ParallelismConfig fields)
         },
     ),
     "ep2": (2, {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2}),
+    # HSDP's replicate dimension (torchtitan's dp_replicate mesh; shard degree 1 on two ranks)
+    "hsdp_replicate2": (2, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}),
 }
 
 
@@ -79,6 +81,7 @@ RUNS = {
     "tp2_sp": ["topk_selective_ac"],
     "pp2": ["topk"],
     "ep2": ["topk_full_ac", "base_global"],
+    "hsdp_replicate2": ["topk"],
 }
 
 
@@ -96,7 +99,8 @@ def trainer_config(folder: str, parallelism: dict, job: Job):
     cfg.hf_assets_path = tok
     cfg.dataloader = titan_cpu.FixedBatches.Config(dataset_path=data)
     cfg.training.seq_len = 32
-    cfg.training.local_batch_size = 4 // parallelism.get("data_parallel_shard_degree", 1)
+    dp = parallelism.get("data_parallel_shard_degree", 1) * parallelism.get("data_parallel_replicate_degree", 1)
+    cfg.training.local_batch_size = 4 // dp  # the same global batch of 4 in every layout
     cfg.training.steps = STEPS
     cfg.training.disable_cuda_graphs = True
     cfg.training.mixed_precision_param = "float32"  # bf16 rounding would depend on the batch split
@@ -234,7 +238,7 @@ def _same_training(log: dict, ref: dict) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2_sp", "pp2", "ep2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2_sp", "pp2", "ep2", "hsdp_replicate2"])
 def test_layout_matches_one_process(single, layout):
     refs, folder = single
     for name, logs in run_layout(layout, folder).items():
