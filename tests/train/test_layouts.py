@@ -69,21 +69,26 @@ def topk_one(tmp_path_factory, data):
     return _metrics(run)
 
 
-def test_ep2_and_tp2_give_the_one_process_losses_and_ep2_resumes_in_one_process(tmp_path, data):
+def test_ep2_then_tp2_then_one_process_give_the_one_process_losses(tmp_path, data):
+    """One run through three layouts: dp_shard=2 x ep=2 for steps 1-2, resumed under tp=2 x
+    dp_shard=1 for step 3, then in one process for step 4; every step's loss equals the
+    uninterrupted one-process run's."""
     common = [*TINY, "--data", data, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 10, "--aux-loss-coef", 0]
-    one, ep2, tp2 = tmp_path / "one", tmp_path / "ep2", tmp_path / "tp2"
+    one, run = tmp_path / "one", tmp_path / "run"
     moe("train", *common, "--out", one)
     expect = _metrics(one)
-    moe("train", *common, "--out", ep2, "--nproc", 2, "--ep", 2, "--stop-at", 2)  # dp_shard=2 x ep=2
-    _same(_metrics(ep2), expect, "ep=2")
-    assert [r["step"] for r in _metrics(ep2)] == [0, 1, 2]
-    moe("train", *common, "--out", tp2, "--nproc", 2, "--tp", 2, "--stop-at", 2)
-    _same(_metrics(tp2), expect, "tp=2")
-    proc = moe("train", "--out", ep2, "--resume", "--nproc", 1)  # written by dp_shard=2 x ep=2, read by one process
+    moe("train", *common, "--out", run, "--nproc", 2, "--ep", 2, "--stop-at", 2)  # dp_shard=2 x ep=2
+    _same(_metrics(run), expect, "ep=2")
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2]
+    proc = moe("train", "--out", run, "--resume", "--nproc", 2, "--tp", 2, "--stop-at", 3)
     assert "at step 2" in proc.stdout + proc.stderr
-    rows = _metrics(ep2)
+    _same(_metrics(run), expect, "ep=2 -> tp=2")
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]
+    proc = moe("train", "--out", run, "--resume", "--nproc", 1)  # written by tp=2, read by one process
+    assert "at step 3" in proc.stdout + proc.stderr
+    rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    _same(rows, expect, "ep=2 -> ep=1")
+    _same(rows, expect, "ep=2 -> tp=2 -> one process")
 
 
 def test_a_bad_layout_under_torchrun_exits_2_on_every_rank(tmp_path):

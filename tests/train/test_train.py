@@ -1,4 +1,5 @@
-"""`moe train` end to end (subprocesses): the run folder, exact resume, --stop-at, SIGINT."""
+"""`moe train` end to end (subprocesses): the run folder, exact resume, --stop-at, SIGTERM
+(a cluster's stop; Ctrl-C under --nproc is in test_layouts.py)."""
 
 import json
 import signal
@@ -52,7 +53,7 @@ def test_run_folder_and_exact_resume(tmp_path, data):
         assert a == b, a["step"]
 
 
-def test_sigint_checkpoints_and_resumes(tmp_path, data):
+def test_sigterm_checkpoints_and_resumes(tmp_path, data):
     common = [*TINY, "--data", data, "--steps", 1000, "--eval-every", 1000, "--checkpoint-every", 1000]
     run, ref = tmp_path / "run", tmp_path / "ref"
     proc = popen("train", *common, "--out", run)
@@ -63,10 +64,10 @@ def test_sigint_checkpoints_and_resumes(tmp_path, data):
         if proc.poll() is not None:
             break
         time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)  # what a scheduler sends at its time limit
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGINT, err
-    assert "SIGINT" in out and "resume with: moe train --out" in out
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopped after step" in out and "resume with: moe train --out" in out, out + err
     steps = [r["step"] for r in _metrics(run)]
     k = steps[-1]
     assert steps == list(range(k + 1)) and 1 <= k < 1000
