@@ -9,7 +9,6 @@ from .dispatch import DispatchInfo, PeerFailedError, combine, dispatch
 from .expert_parallel import ExpertParallel, GroupBalance, parallelize_moe, reduce_gradients
 from .layout import LlamaMesh
 from .llama import LlamaParallel, llama_loss, loss_context, parallelize_llama, router_loss
-from .pipeline import LlamaPipeline, pipeline_llama
 
 __all__ = [
     "DispatchInfo",
@@ -32,3 +31,13 @@ __all__ = [
     "reduce_scatter_rows",
     "router_loss",
 ]
+
+
+def __getattr__(name: str):
+    # pipelining imports torch._dynamo (about 1.5 s): loaded on first use, so a run without
+    # pipeline stages does not pay for it
+    if name in ("LlamaPipeline", "pipeline_llama"):
+        from . import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
