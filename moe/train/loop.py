@@ -3,8 +3,9 @@ checkpoints, metrics), nanoGPT-small on purpose.
 
 Loss of a step: ``lm_loss`` (mean next-token cross entropy over the global batch) plus
 ``aux_loss`` (the MoE layers' aux and z losses, already weighted by their coefficients).
-fp32 on CPU; bf16 autocast on a GPU (the parameters and the optimiser stay fp32), except with
-pipeline stages, which pass fp32 activations between them and run in fp32.
+fp32 on CPU; bf16 autocast on a GPU (the parameters and the optimiser stay fp32), pipeline
+stages included: the residual stream between stages stays fp32 (fp32 embeddings plus bf16
+matmul outputs), the logits of the last stage are bf16 and the loss takes them as fp32.
 
 With pipeline stages (``--pp``) the schedule runs the forward and backward of the step in
 micro-batches (`moe.parallel.LlamaPipeline.step`); ``self.model`` is then a `StageView` of this
@@ -120,7 +121,8 @@ class Trainer:
         total, n = 0.0, 0
         for inputs, targets in self.corpus.val_batches(self.cfg.eval_batches, self.cfg.batch, self.cfg.seq_len):
             if self.pipe is not None:
-                total += float(self.pipe.evaluate(self._local(inputs), self._local(targets)))
+                with self._autocast():
+                    total += float(self.pipe.evaluate(self._local(inputs), self._local(targets)))
             else:
                 total += float(self.layout.mean_over_dp(self._lm_loss(inputs, targets)))
             n += 1
@@ -136,7 +138,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.loads.reset()
         if self.pipe is not None:  # forward and backward of every micro-batch, losses meaned over dp
-            self.pipe.step(self._local(inputs), self._local(targets))
+            with self._autocast():  # the schedule runs every micro-batch's forward and backward
+                self.pipe.step(self._local(inputs), self._local(targets))
             lm, aux = self.pipe.lm_loss, self.pipe.aux_loss
         else:
             with loss_context(self.model):  # the trainer contract of moe.parallel (docs/training.md)

@@ -41,7 +41,8 @@ def test_two_rank_layouts():
 
 def mixed_precision(rank, world, store):
     """bf16 compute through FSDP2's MixedPrecisionPolicy: the sharded parameters, their
-    gradients and AdamW's state stay fp32, and the first loss is the fp32 one to bf16 accuracy."""
+    gradients and AdamW's state stay fp32, and the first loss is the fp32 one to bf16 accuracy;
+    then pipeline stages under bf16 autocast, likewise."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from moe.parallel import LlamaMesh, llama_loss, parallelize_llama
@@ -59,6 +60,21 @@ def mixed_precision(rank, world, store):
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
     expect = L.cached_reference(cfg, lm.dp_size)[0][0]
     torch.testing.assert_close(lm.mean_over_dp(loss).item(), expect, rtol=2e-2, atol=0)
+
+    # pipeline stages under bf16 autocast (what `moe train` does on a GPU; CPU autocast here):
+    # the fp32 residual stream passes between stages, the loss is fp32's to bf16 accuracy
+    from moe.parallel import pipeline_llama
+
+    cfg = L.config("topk", n_layers=2)
+    pp = LlamaMesh.build(_mesh((2,), ("pp",)))
+    pipe = pipeline_llama(L.build(cfg), pp, schedule="1f1b", microbatches=2)
+    tokens, targets = (pp.local_batch(t) for t in L.data(cfg, 0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(tokens, targets).item()
+    expect = L.cached_reference(cfg, 2)[0][0]
+    assert abs(loss - expect) > 1e-5, "the stages ran in fp32: autocast did not reach them"
+    torch.testing.assert_close(loss, expect, rtol=2e-2, atol=0)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in pipe.parameters())
 
 
 def test_mixed_precision():
