@@ -85,7 +85,6 @@ def _megatron_slots(dim: int, hidden: int, experts: int, top_k: int):
     import tempfile
 
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from tests.adapters import megatron_cpu
 
@@ -94,30 +93,13 @@ def _megatron_slots(dim: int, hidden: int, experts: int, top_k: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe.adapters.megatron import moe_module_spec
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=dim,
-        num_attention_heads=2,
-        ffn_hidden_size=hidden,
-        num_moe_experts=experts,
-        moe_router_topk=top_k,
-        moe_ffn_hidden_size=hidden,
-        use_cpu_initialization=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather",
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
+    cfg = megatron_cpu.moe_layer_config(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
     theirs = MoELayer(cfg, spec.submodules.mlp.submodules)
     ours = build_module(moe_module_spec(), config=cfg)

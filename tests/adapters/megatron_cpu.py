@@ -88,3 +88,30 @@ def install() -> None:
     # the re-run): there is no CUDA generator here, and the CPU state is still kept.
     meg_random._get_cuda_rng_state = lambda *args, **kwargs: None
     meg_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+def moe_layer_config(*, dim: int, hidden: int, experts: int, top_k: int, **overrides):
+    """The ``TransformerConfig`` of one Megatron MoE layer that builds and runs on CPU: SwiGLU
+    SequentialMLP experts without bias, CPU initialisation, the all-gather dispatcher (the
+    all-to-all one makes a CUDA stream when built), Megatron's CUDA-only fusions off."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(
+        num_layers=1,
+        hidden_size=dim,
+        num_attention_heads=2,
+        ffn_hidden_size=hidden,
+        num_moe_experts=experts,
+        moe_router_topk=top_k,
+        moe_ffn_hidden_size=hidden,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    return TransformerConfig(**{**fields, **overrides})

@@ -33,25 +33,9 @@ def _megatron_layer():
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=D,
-        num_attention_heads=2,
-        num_moe_experts=E,
-        moe_router_topk=K,
-        ffn_hidden_size=FF,
-        moe_ffn_hidden_size=FF,
-        use_cpu_initialization=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather",
-        moe_aux_loss_coeff=0.01,
-    )
+    cfg = megatron_cpu.moe_layer_config(dim=D, hidden=FF, experts=E, top_k=K, moe_aux_loss_coeff=0.01)
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     torch.manual_seed(0)
     return cfg, MoELayer(cfg, spec.submodules.mlp.submodules)
