@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
+from pathlib import Path
 
 from ..config import MoEConfig
 from ..models.llama import PRESETS, LlamaConfig
@@ -19,8 +21,14 @@ from .search import evaluate, nearest, search
 __all__ = ["build_parser", "load_model", "main"]
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line (exit 2) instead of the usage and the message
+        print(f"moe plan: {message} (see moe plan --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="moe plan", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     ap.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a LlamaConfig JSON file")
@@ -108,12 +116,19 @@ def _header(cfg, gpu, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad option (2, its one line printed)
+        return e.code if isinstance(e.code, int) else 0
     try:
         cfg = load_model(args.model)
         gpu = gpu_from_spec(args.gpu, args.gpu_spec)
         if args.gpus < 1 or args.gpus_per_node < 1:
             raise ValueError(f"--gpus and --gpus-per-node must be >= 1, got {args.gpus}, {args.gpus_per_node}")
+        if args.micro_batch < 1 or args.top < 1:
+            raise ValueError(f"--micro-batch and --top must be >= 1, got {args.micro_batch}, {args.top}")
+        if args.png is not None:
+            _check_writable(args.png)
         shape = TrainShape(seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens)
         if not args.search and args.layout is None:
             raise ValueError("give --layout or --search")
@@ -165,6 +180,17 @@ def main(argv: list[str] | None = None) -> int:
 
         plot_memory(shown, gpu.hbm_bytes, args.png, title=_header(cfg, gpu, args))
     return status
+
+
+def _check_writable(path: str) -> None:
+    """--png names a file whose folder exists and can be written (checked before any work)."""
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--png {path}: the folder {folder} does not exist")
+    if Path(path).is_dir():
+        raise ValueError(f"--png {path} is a folder; name a .png file")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--png {path}: the folder {folder} is not writable")
 
 
 def _kind(reason: str) -> str:

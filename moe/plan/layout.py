@@ -128,6 +128,8 @@ def parse_layout(text: str, gpus: int | None = None) -> Layout:
                 fields[key] = int(value)
             except ValueError:
                 raise ValueError(f"layout {key} must be an int, got {value!r}") from None
+            if fields[key] < 1:  # before dp_shard is derived from it (a 0 would divide by zero there)
+                raise ValueError(f"layout {key} must be a positive int, got {fields[key]}")
         elif key in _BOOLS:
             if value.lower() not in ("0", "1", "true", "false", "on", "off"):
                 raise ValueError(f"layout {key} must be 0/1/true/false/on/off, got {value!r}")

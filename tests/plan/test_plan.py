@@ -184,6 +184,22 @@ def test_cli_bad_layouts_exit_2(capsys):
     assert status == 2 and "global_batch_tokens=1000 must be a multiple of seq_len=4096" in err
 
 
+def test_cli_bad_values_exit_2_with_one_line_first(capsys, tmp_path):
+    """Values that used to end in a traceback: a zero layout size (a division by zero when
+    dp_shard is derived), a zero micro-batch, a negative --top, a PNG into a missing folder."""
+    cases = [
+        (["--layout", "tp=0"], "layout tp must be a positive int, got 0"),
+        (["--search", "--micro-batch", "0"], "--micro-batch and --top must be >= 1, got 0, 10"),
+        (["--search", "--top", "-1"], "--micro-batch and --top must be >= 1, got 1, -1"),
+        (["--search", "--png", str(tmp_path / "no" / "mem.png")], "the folder " + str(tmp_path / "no")),
+        (["--search", "--gpus-per-node", "x"], "argument --gpus-per-node: invalid int value: 'x'"),
+    ]
+    for extra, message in cases:
+        status, _, err = _run(capsys, *ARGS, str(256 * 4096), *extra)
+        assert status == 2 and message in err.splitlines()[0] and "Traceback" not in err, (extra, err)
+    assert not (tmp_path / "no").exists()
+
+
 def test_cli_search_json_and_png(capsys, tmp_path):
     png = tmp_path / "mem.png"
     status, out, _ = _run(capsys, *ARGS, str(64 * 4096), "--search", "--json", "--png", str(png))
