@@ -15,6 +15,7 @@ run reads exactly what the uninterrupted one would, and every layout sees the sa
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,13 @@ def _data_files(path: str) -> list[Path]:
     return sorted(files)
 
 
+def _is_text(raw: bytes) -> bool:
+    """Text unless its first 64 KiB hold a NUL byte, which text in any 8-bit encoding never
+    has and images, archives and executables almost always do (text that is not UTF-8 is still
+    text: 4 standard-library modules are Latin-1)."""
+    return b"\x00" not in raw[: 1 << 16]
+
+
 @dataclass
 class Corpus:
     """Token ids of the training and held-out splits (int32 numpy arrays)."""
@@ -130,14 +138,31 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
         raise ValueError(f"--data {data}: no text files found")
     eos = getattr(tokenizer, "eos_id", None)
     ids: list[np.ndarray] = []
+    binary: list[Path] = []
+    missing: list[Path] = []
     for f in files:
-        raw = f.read_bytes()
+        try:
+            raw = f.read_bytes()
+        except FileNotFoundError:  # a broken link, or a file removed since the folder was listed
+            missing.append(f)
+            continue
+        if not _is_text(raw):  # an image or archive among the text: not something to train on
+            binary.append(f)
+            continue
         if isinstance(tokenizer, ByteTokenizer):
             ids.append(np.frombuffer(raw, dtype=np.uint8).astype(np.int32))
         else:
             ids.append(np.asarray(tokenizer.encode(raw), dtype=np.int32))
         if eos is not None:
             ids.append(np.asarray([eos], dtype=np.int32))
+    if binary and data is not None and Path(data).is_file():
+        raise ValueError(f"--data {data}: a binary file, not text (it has NUL bytes)")
+    for what, skipped in (("binary file(s)", binary), ("missing file(s) or broken link(s)", missing)):
+        if skipped and os.environ.get("RANK", "0") == "0":
+            print(f"moe train: warning: skipped {len(skipped)} {what} in --data {data}, e.g. {skipped[0]}",
+                  file=sys.stderr)  # fmt: skip
+    if not ids:
+        raise ValueError(f"--data {data}: no text files found ({len(binary) + len(missing)} skipped)")
     tokens = np.concatenate(ids)
     n_val = max(int(len(tokens) * val_fraction), 8 * (seq_len + 1))
     if len(tokens) - n_val < 4 * (seq_len + 1):
