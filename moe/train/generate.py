@@ -26,7 +26,7 @@ from .checkpoint import latest_checkpoint, load_model_weights
 from .config import TrainConfig, model_config_from_dict
 from .data import load_tokenizer
 
-__all__ = ["KVCache", "forward_cached", "generate", "generate_from_run", "load_run_model"]
+__all__ = ["KVCache", "fit_prompt", "forward_cached", "generate", "generate_from_run", "load_run_model"]
 
 
 class KVCache:
@@ -117,6 +117,21 @@ def generate(
     return out
 
 
+def fit_prompt(prompt: list[int], max_new_tokens: int, context: int) -> list[int]:
+    """The prompt's last tokens that leave room for ``max_new_tokens`` in the model's
+    ``context`` (at least one token of it), with a warning when it had to be cut."""
+    keep = max(1, context - max_new_tokens)
+    if len(prompt) <= keep:
+        return prompt
+    room = min(max_new_tokens, context - keep)
+    print(
+        f"moe generate: warning: the prompt has {len(prompt)} tokens and the model's context is {context}: "
+        f"kept its last {keep} tokens, so that {room} new tokens fit",
+        file=sys.stderr,
+    )
+    return prompt[-keep:]
+
+
 def load_run_model(run_dir) -> tuple[Llama, dict]:
     """The model of a run's latest checkpoint in one process (whatever layout wrote it), and its config.json."""
     run_dir = Path(run_dir)
@@ -136,6 +151,7 @@ def generate_from_run(run_dir, args) -> int:
     if not prompt:
         bos = getattr(tokenizer, "bos_id", None)
         prompt = [bos if bos is not None else 0]
+    prompt = fit_prompt(prompt, args.max_new_tokens, model.rope.shape[0])
     t0 = time.perf_counter()
     ids = generate(
         model,
