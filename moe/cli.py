@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -90,6 +91,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--stop-at", type=_positive("--stop-at"), default=None,
                    help="end after this step (checkpoint, exit 0), keeping the schedule of --steps")  # fmt: skip
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
+    r.add_argument("--force", action="store_true", help="start even when the memory estimate exceeds this machine's")
     lay = p.add_argument_group("layout (world size = product of the dimensions)")
     lay.add_argument("--nproc", type=_positive("--nproc"), default=d.nproc, help="local processes (torchrun)")
     for name in ("tp", "pp", "ep", "dp-replicate"):
@@ -112,12 +114,14 @@ def _check_train(args, p) -> None:
             raise UsageError("--resume needs --out DIR, the run folder to continue")
         args.out = str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out = Path(args.out)
+    saved_model = None
     if args.resume:
         if not (out / "config.json").exists():
             raise UsageError(f"--resume: {out} is not a run folder (no config.json)")
         if not (out / "checkpoints" / "latest").exists():
             raise UsageError(f"--resume: {out} has no checkpoint yet (checkpoints/latest is missing)")
-        saved = json.loads((out / "config.json").read_text())["train"]
+        saved_info = json.loads((out / "config.json").read_text())
+        saved, saved_model = saved_info["train"], saved_info.get("model")
         new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
             if key in ("out", "resume", "stop_at") or not hasattr(args, key):
@@ -127,6 +131,8 @@ def _check_train(args, p) -> None:
                 raise UsageError(f"{flag} {getattr(args, key)} differs from the run's {value}: a resumed run keeps it")
             if key not in args._explicit and not (new_layout and key in LAYOUT_FIELDS):
                 setattr(args, key, value)
+    elif out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file: name a folder for the run")
     elif out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out} exists: pass --resume to continue it, or choose another folder")
     if args.preset not in PRESETS:
@@ -137,13 +143,9 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
     if args.stop_at is not None and args.stop_at > args.steps:
         raise UsageError(f"--stop-at {args.stop_at} must be <= --steps {args.steps}")
-    if args.warmup < 0 or args.lr <= 0 or args.grad_clip <= 0:
-        got = f"{args.warmup}, {args.lr}, {args.grad_clip}"
-        raise UsageError(f"need --warmup >= 0, --lr > 0, --grad-clip > 0; got {got}")
-    if not 0 < args.val_fraction < 0.5:
-        raise UsageError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
-    if not 0 <= args.min_lr_ratio <= 1:
-        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    _check_numbers(args)
     launched = "WORLD_SIZE" in os.environ  # by torchrun (or by --nproc, which starts it)
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     if launched and "nproc" in args._explicit and args.nproc != world:
@@ -167,6 +169,45 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
     _check_pipeline(args, args.n_layers or PRESETS[args.preset].n_layers, args.batch // dp)
     args.dp_shard = dp_shard
+    _check_model(args, saved_model, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world)
+
+
+# the float options: (option, allowed when None, test, what it needs); NaN fails every test
+_NUMBERS = (
+    ("lr", False, lambda v: v > 0, "> 0"),
+    ("grad_clip", False, lambda v: v > 0, "> 0"),
+    ("weight_decay", False, lambda v: v >= 0, ">= 0"),
+    ("val_fraction", False, lambda v: 0 < v < 0.5, "in (0, 0.5)"),
+    ("min_lr_ratio", False, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("aux_loss_coef", True, lambda v: v >= 0, ">= 0"),
+    ("z_loss_coef", True, lambda v: v >= 0, ">= 0"),
+    ("bias_update_rate", True, lambda v: v >= 0, ">= 0"),
+    ("capacity_factor", True, lambda v: v > 0, "> 0 (or left out: dropless)"),
+)
+
+
+def _check_numbers(args) -> None:
+    for name, none_ok, ok, need in _NUMBERS:
+        value = getattr(args, name)
+        if value is None and none_ok:
+            continue
+        if value is None or not math.isfinite(value) or not ok(value):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number {need}, got {value}")
+
+
+def _check_model(args, saved_model: dict | None, local_procs: int) -> None:
+    """The model options as the model sees them, the layout against its shapes, the tokenizer,
+    and (unless --force) whether the run fits in this machine's memory (moe.train.preflight)."""
+    from .train.config import TrainConfig
+    from .train.preflight import check_model, fit_check
+
+    cfg = TrainConfig.from_dict(vars(args))
+    try:
+        model = check_model(cfg, saved_model)
+        if not args.force:
+            fit_check(cfg, model, local_procs)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _check_pipeline(args, n_layers: int, rows: int) -> None:
@@ -265,9 +306,13 @@ def _check_run(run: str) -> Path:
 
 
 def _generate(args, p, argv) -> int:
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)) or not 0 < args.top_p <= 1:
+        raise UsageError(f"need a finite --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # bytes the shell passed that are not UTF-8 (kept as surrogates)
+        raise UsageError(f"--prompt is not valid UTF-8 (byte {err.start} of the argument)") from None
     run = _check_run(args.run)
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UsageError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
     from .train.generate import generate_from_run
 
     return generate_from_run(run, args)
@@ -326,7 +371,13 @@ def _bench(args, p, argv) -> int:
 
     module = f"benchmarks.{BENCHMARKS[args.name]}"
     if importlib.util.find_spec("benchmarks") is None:
-        raise UsageError(f"{module} is not importable: run moe bench from the repository's root")
+        # the `moe` script's sys.path starts at its own folder, not the current one: look in the
+        # current folder, then beside the package (a source checkout installed in place)
+        roots = [Path.cwd(), Path(__file__).resolve().parents[1]]
+        root = next((r for r in roots if (r / "benchmarks" / "__init__.py").is_file()), None)
+        if root is None:
+            raise UsageError(f"{module} is not importable: run moe bench from the repository's root")
+        sys.path.insert(0, str(root))
     sys.argv = [module, *args.options]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

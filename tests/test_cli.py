@@ -67,6 +67,19 @@ BAD = [
     (["generate", "--run", "/no/run"], "--run /no/run: not a run folder"),
     (["export", "--run", "/no/run", "--to", "onnx", "x"], "invalid choice: 'onnx'"),
     (["bench", "nope"], "invalid choice: 'nope'"),
+    # values that pass the parser and would raise deep inside the model, the optimiser or a layout
+    (["train", "--top-k", "9"], "--top-k: top_k must be an int in [1, 4], got 9"),
+    (["train", "--dim", "66"], "--dim: dim=66 must be divisible by n_heads=8"),
+    (["train", "--capacity-factor", "0"], "--capacity-factor must be a finite number > 0"),
+    (["train", "--capacity-factor", "-1"], "--capacity-factor must be a finite number > 0"),
+    (["train", "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["train", "--aux-loss-coef", "nan"], "--aux-loss-coef must be a finite number >= 0, got nan"),
+    (["train", "--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
+    (["train", "--grad-clip", "inf"], "--grad-clip must be a finite number > 0, got inf"),
+    (["train", "--nproc", "3", "--tp", "3"], "--tp 3 must divide the attention heads (n_heads=8, n_kv_heads=4"),
+    (["train", "--nproc", "2", "--tp", "2", "--seq-len", "33"], "--seq-len 33 must be divisible by --tp 2"),
+    (["generate", "--run", "/no/run", "--temperature", "nan"], "need a finite --temperature >= 0"),
+    (["generate", "--run", "/no/run", "--prompt", "ab\udcff"], "--prompt is not valid UTF-8 (byte 2 of"),
     ([], "required: command"),
 ]
 

@@ -103,3 +103,13 @@ def test_tokenizer_json(tmp_path, data):
     assert len(_metrics(run)) == 3
     text = moe("generate", "--run", run, "--prompt", "import", "--max-new-tokens", 4).stdout
     assert text.startswith("import")
+    # the tokenizer file changed under the run: its vocabulary no longer matches the model's
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<|endoftext|>"])
+    tok.train([str(p) for p in sorted(data.iterdir())], trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    again = moe("train", "--out", run, "--resume", check=False)
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1, again.stderr
+    built = cfg["model"]["vocab_size"]
+    assert f"has {tok.get_vocab_size()} tokens, the run's model was built for {built}" in again.stderr

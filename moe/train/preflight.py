@@ -1,0 +1,134 @@
+"""What ``moe train`` checks before it reads data or builds a model: the model options as the
+model will see them, the layout against the model's shapes, the tokenizer, and whether the
+run fits in this machine's memory (`fit_check`).
+
+Each check raises ValueError whose message starts with the option it is about (``--top-k:
+...``); the command prints it as its one line and exits 2, on every rank (every rank runs the
+same checks on the same arguments before any of them joins the process group).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..models.llama import LlamaConfig
+from .config import TrainConfig, model_config
+from .data import load_tokenizer
+
+__all__ = ["available_memory", "check_model", "fit_check", "step_bytes"]
+
+# the fields of LlamaConfig / MoEConfig a message may name -> the option that sets them
+_FLAGS = {
+    "top_k": "--top-k", "num_experts": "--experts", "dim": "--dim", "n_layers": "--n-layers",
+    "moe_every": "--moe-every", "aux_loss_coef": "--aux-loss-coef", "z_loss_coef": "--z-loss-coef",
+    "capacity_factor": "--capacity-factor", "bias_update_rate": "--bias-update-rate", "router": "--router",
+}  # fmt: skip
+
+
+def _flag_of(message: str) -> str:
+    """The option a config's ValueError is about: the first field name it mentions that an option sets."""
+    for word in re.findall(r"[a-z_]+", message):
+        if word in _FLAGS:
+            return _FLAGS[word]
+    return "model options"
+
+
+def check_model(cfg: TrainConfig, saved_model: dict | None = None) -> LlamaConfig:
+    """The run's `LlamaConfig`, built as the trainer will build it, and the layout checked
+    against it. ``saved_model``: the model of the run being resumed (its vocabulary must be the
+    tokenizer's)."""
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except ImportError as err:
+        raise ValueError(f"--tokenizer: {err}") from None
+    except Exception as err:  # the tokenizers package says why in its own words, over several lines
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--tokenizer {cfg.tokenizer}: not a readable tokenizer.json ({first})") from None
+    vocab = tokenizer.vocab_size
+    if saved_model is not None and saved_model.get("vocab_size") not in (None, vocab):
+        raise ValueError(
+            f"--tokenizer {cfg.tokenizer or 'bytes'} has {vocab} tokens, the run's model was built for "
+            f"{saved_model['vocab_size']}: resume with the tokenizer the run was started with"
+        )
+    try:
+        mc = model_config(cfg, vocab)
+    except ValueError as err:
+        raise ValueError(f"{_flag_of(str(err))}: {err}") from None
+    _check_layout(cfg, mc)
+    return mc
+
+
+def _check_layout(cfg: TrainConfig, mc: LlamaConfig) -> None:
+    tp = cfg.tp
+    if tp > 1:
+        if mc.n_heads % tp or mc.n_kv_heads % tp:
+            raise ValueError(
+                f"--tp {tp} must divide the attention heads (n_heads={mc.n_heads}, n_kv_heads={mc.n_kv_heads} "
+                f"for --preset {cfg.preset}): the heads are sharded over the tp ranks"
+            )
+        if cfg.seq_len % tp:
+            raise ValueError(f"--seq-len {cfg.seq_len} must be divisible by --tp {tp} (sequence parallelism)")
+        if mc.ffn_hidden_dim % tp:
+            raise ValueError(f"--tp {tp} must divide the MLP width {mc.ffn_hidden_dim} of --preset {cfg.preset}")
+        if cfg.etp and mc.moe is not None and mc.moe.hidden_dim % tp:
+            raise ValueError(f"--etp: --tp {tp} must divide the experts' hidden dim {mc.moe.hidden_dim}")
+
+
+def step_bytes(cfg: TrainConfig, mc: LlamaConfig, on_gpu: bool) -> tuple[int, int]:
+    """(bytes one process needs at its peak, the planner's training-step peak of the same
+    rank). The trainer builds the whole model in fp32 on every rank before sharding it, so the
+    peak is at least the whole model's parameters; after that the planner's memory model
+    (`moe.plan.memory`, docs/scale.md) gives the step's: parameters, gradients, AdamW state,
+    activations and buffers of the most loaded rank."""
+    from ..plan.layout import Layout
+    from ..plan.memory import TrainShape, peak_memory
+
+    interleaved = cfg.pp_schedule.startswith("interleaved")
+    dp = cfg.dp_shard * cfg.dp_replicate
+    micro = cfg.micro_batches or (cfg.pp if cfg.pp > 1 else 1)
+    lay = Layout(
+        tp=cfg.tp, pp=cfg.pp, vpp=2 if cfg.pp > 1 and interleaved else 1,
+        schedule="interleaved_1f1b" if cfg.pp > 1 and interleaved else ("1f1b" if cfg.pp == 1 else cfg.pp_schedule),
+        ep=cfg.ep, etp=cfg.etp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate,
+        precision="bf16" if on_gpu else "fp32", micro_batch=max(1, cfg.batch // dp // micro),
+    )  # fmt: skip
+    shape = TrainShape(seq_len=cfg.seq_len, global_batch_tokens=cfg.batch * cfg.seq_len)
+    _, mem = peak_memory(mc, lay, shape)
+    return max(mem["total"], 4 * mc.num_params()), mem["total"]
+
+
+def available_memory() -> tuple[int, str, bool]:
+    """(bytes, what they are, whether a GPU): a CUDA device's total memory, or the host's
+    available memory (``MemAvailable``), which the local processes share."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "GPU memory per device", True
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available host memory", False
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "available host memory", False
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def fit_check(cfg: TrainConfig, mc: LlamaConfig, local_procs: int) -> None:
+    """Refuse a run that cannot fit before anything is allocated (``--force`` skips this)."""
+    have, what, on_gpu = available_memory()
+    need, step = step_bytes(cfg, mc, on_gpu)
+    # on CPU the local processes share the host's memory; on a GPU each has its own device
+    total = need if on_gpu else need * local_procs
+    if total > have:
+        procs = "" if on_gpu or local_procs == 1 else f" x {local_procs} local processes"
+        raise ValueError(
+            f"--preset {cfg.preset}: needs about {_gb(need)} per process{procs} (the whole model in fp32 while it "
+            f"is built, {_gb(4 * mc.num_params())}; the training step's peak {_gb(step)}), more than the "
+            f"{_gb(have)} of {what}: choose a smaller model or a layout over more processes, or pass --force"
+        )

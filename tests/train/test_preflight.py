@@ -1,0 +1,102 @@
+"""What `moe train` and `moe generate` refuse before they build a model, or handle instead of
+failing deep inside: a tokenizer that is not one, an ``--out`` that is a file, a run that does
+not fit in memory, binary files and broken links among the data, a prompt longer than the
+model's context, and `moe bench` from the installed ``moe`` script."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe.cli import main
+from moe.models.llama import LlamaConfig
+from moe.train import preflight
+from moe.train.config import TrainConfig, model_config
+
+from .run import ROOT, TINY, corpus, moe
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_file_as_out_and_a_broken_tokenizer_exit_2(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["train", *TINY, "--out", str(tmp_path / "afile")]) == 2
+    assert "--out " + str(tmp_path / "afile") + " is a file" in _one_line(capsys)
+    (tmp_path / "tok.json").write_text('{"model": ')  # cut short
+    assert main(["train", *TINY, "--out", str(tmp_path / "r"), "--tokenizer", str(tmp_path / "tok.json")]) == 2
+    assert "not a readable tokenizer.json" in _one_line(capsys)
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_a_run_that_does_not_fit_is_refused_before_it_allocates(tmp_path, capsys, monkeypatch):
+    cfg = TrainConfig(preset="tiny", batch=4, seq_len=32, dp_shard=1)
+    mc = model_config(cfg, 260)
+    need, step = preflight.step_bytes(cfg, mc, on_gpu=False)
+    assert need >= 4 * mc.num_params() and step > 4 * 4 * mc.num_params()  # params, grads, AdamW at least
+    monkeypatch.setattr(preflight, "available_memory", lambda: (need - 1, "available host memory", False))
+    assert main(["train", *TINY, "--out", str(tmp_path / "r")]) == 2
+    err = _one_line(capsys)
+    assert "--preset tiny: needs about" in err and "pass --force" in err
+    # two local processes share the host: what one fits in, two may not
+    monkeypatch.setattr(preflight, "available_memory", lambda: (need + 1, "available host memory", False))
+    preflight.fit_check(cfg, mc, local_procs=1)
+    with pytest.raises(ValueError, match="x 2 local processes"):
+        preflight.fit_check(cfg, mc, local_procs=2)
+
+
+def test_a_model_larger_than_the_machine_exits_2_at_once(tmp_path):
+    """The issue's case: the whole model cannot even be built here. The address space of the
+    command is capped, so that a regression fails with an allocation error instead of taking
+    the machine's memory."""
+    import resource
+    import subprocess
+
+    from .run import env
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    argv = [sys.executable, "-m", "moe", "train", "--preset", "llama2-70b", "--out", str(tmp_path / "r")]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300, preexec_fn=cap)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "--preset llama2-70b: needs about" in proc.stderr and "GB" in proc.stderr and "--force" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_binary_files_and_broken_links_in_the_data_are_skipped(tmp_path):
+    data = corpus(tmp_path)
+    (data / "blob").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 50)
+    (data / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    run = tmp_path / "run"
+    proc = moe("train", *TINY, "--data", data, "--steps", 1, "--eval-batches", 1, "--out", run)
+    assert "skipped 1 binary file(s)" in proc.stderr and "blob" in proc.stderr
+    assert "skipped 1 missing file(s) or broken link(s)" in proc.stderr and "gone.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr and (run / "checkpoints").is_dir()
+    alone = moe("train", *TINY, "--data", data / "blob", "--out", tmp_path / "r2", check=False)
+    assert alone.returncode == 2 and "a binary file, not text" in alone.stderr
+    assert len(alone.stderr.strip().splitlines()) == 1, alone.stderr
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_end(tmp_path):
+    run = tmp_path / "run"
+    moe("train", *TINY, "--data", corpus(tmp_path), "--steps", 1, "--eval-batches", 1, "--out", run)
+    context = LlamaConfig.from_name("tiny").max_seq_len
+    prompt = "x = 1\n" * (context // 2)  # 3 x context bytes
+    proc = moe("generate", "--run", run, "--prompt", prompt, "--max-new-tokens", 8, "--print-ids")
+    ids = next(line for line in proc.stdout.splitlines() if line.startswith("ids:")).split()[1:]
+    assert len(ids) == 8, proc.stderr
+    assert f"kept its last {context - 8} tokens" in proc.stderr
+
+
+def test_bench_from_the_moe_script(monkeypatch, capsys):
+    """The installed ``moe`` script's sys.path starts at its own folder, not the current one."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != ROOT])
+    for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["bench", "routing", "--help"]) == 0
+    assert "--quick" in capsys.readouterr().out
