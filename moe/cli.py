@@ -101,6 +101,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule")
     lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None,
                      help="pipeline micro-batches per data-parallel rank and step (None: --pp)")  # fmt: skip
+    lay.add_argument("--layout", default=None,
+                     help="moe plan's layout string (tp=2,pp=2,ep=2,...) instead of the flags above")  # fmt: skip
     return p
 
 
@@ -115,6 +117,7 @@ def _check_train(args, p) -> None:
         args.out = str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out = Path(args.out)
     saved_model = None
+    micro_batch = _apply_layout(args)
     if args.resume:
         if not (out / "config.json").exists():
             raise UsageError(f"--resume: {out} is not a run folder (no config.json)")
@@ -162,6 +165,13 @@ def _check_train(args, p) -> None:
     dp = dp_shard * args.dp_replicate
     if args.batch % dp:
         raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel size {dp}")
+    if micro_batch is not None:
+        from .train.preflight import micro_batches_for
+
+        try:
+            args.micro_batches = micro_batches_for(args.layout, micro_batch, args.batch // dp, args.pp)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     if dp_shard % args.ep:
         raise UsageError(f"--ep {args.ep} must divide --dp-shard {dp_shard}: the ep ranks are dp_shard ranks")
     experts = args.experts or (PRESETS[args.preset].moe.num_experts if PRESETS[args.preset].moe else 8)
@@ -170,6 +180,32 @@ def _check_train(args, p) -> None:
     _check_pipeline(args, args.n_layers or PRESETS[args.preset].n_layers, args.batch // dp)
     args.dp_shard = dp_shard
     _check_model(args, saved_model, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world)
+
+
+def _apply_layout(args) -> int | None:
+    """``--layout``: the planner's string sets the layout options (and, outside torchrun, the
+    number of processes), as if each had been given; returns its micro-batch size (None without
+    --layout)."""
+    if args.layout is None:
+        return None
+    from .train.config import LAYOUT_FIELDS
+    from .train.preflight import layout_options
+
+    given = sorted(k for k in args._explicit if k in LAYOUT_FIELDS and k != "nproc")
+    if given:
+        raise UsageError(f"--layout replaces --{given[0].replace('_', '-')}: give one or the other")
+    launched = "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else (args.nproc if "nproc" in args._explicit else None)
+    try:
+        opts, micro_batch = layout_options(args.layout, world)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if launched or "nproc" in args._explicit:
+        opts.pop("nproc")  # the world is torchrun's or --nproc's; the layout must multiply to it
+    for key, value in opts.items():
+        setattr(args, key, value)
+    args._explicit |= set(opts) | {"micro_batches"}
+    return micro_batch
 
 
 # the float options: (option, allowed when None, test, what it needs); NaN fails every test

@@ -16,7 +16,7 @@ from ..models.llama import LlamaConfig
 from .config import TrainConfig, model_config
 from .data import load_tokenizer
 
-__all__ = ["available_memory", "check_model", "fit_check", "step_bytes"]
+__all__ = ["available_memory", "check_model", "fit_check", "layout_options", "micro_batches_for", "step_bytes"]
 
 # the fields of LlamaConfig / MoEConfig a message may name -> the option that sets them
 _FLAGS = {
@@ -32,6 +32,55 @@ def _flag_of(message: str) -> str:
         if word in _FLAGS:
             return _FLAGS[word]
     return "model options"
+
+
+# what the trainer runs of a planner's layout, and what it does not (yet): key -> the reason
+_UNSUPPORTED = {
+    "recompute": "moe train has no activation checkpointing option",
+    "loss_parallel": "moe train computes the loss on gathered logits",
+}
+
+
+def layout_options(text: str, world: int | None) -> tuple[dict, int]:
+    """``moe plan``'s layout string (``tp=8,pp=16,ep=8,...``, as it prints it) -> the trainer's
+    layout options, and the planner's micro-batch size in sequences (the trainer counts
+    micro-batches: `micro_batches_for`). ``world``: the processes, when known (dp_shard is what
+    they leave, as in the planner); else the layout's own product is the world."""
+    from ..plan.layout import parse_layout
+
+    try:
+        lay = parse_layout(text, gpus=world)
+    except ValueError as err:
+        raise ValueError(f"--layout {text!r}: {err}") from None
+    for key, why in _UNSUPPORTED.items():
+        if getattr(lay, key):
+            raise ValueError(f"--layout {text!r}: {key}=1 is not run by the trainer ({why}); drop it")
+    if not lay.reshard:
+        raise ValueError(f"--layout {text!r}: reshard=0 is not run by the trainer (it reshards after forward)")
+    if lay.precision == "fp8":
+        raise ValueError(f"--layout {text!r}: precision=fp8 is not run by the trainer (bf16 on a GPU, fp32 on CPU)")
+    if lay.vpp > 2:
+        raise ValueError(f"--layout {text!r}: vpp={lay.vpp}: the trainer's interleaved schedule runs 2 stages per rank")
+    schedule = {"interleaved_1f1b": "interleaved"}.get(lay.schedule, lay.schedule)
+    opts = dict(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate,
+                pp_schedule=schedule, nproc=lay.world)  # fmt: skip
+    return opts, lay.micro_batch
+
+
+def micro_batches_for(text: str, micro_batch: int, rows: int, pp: int) -> int | None:
+    """The trainer's micro-batch count for the planner's micro-batch size (``rows``: the
+    sequences of one data-parallel rank per step); None without pipeline stages."""
+    if pp == 1:
+        if micro_batch != 1 and micro_batch != rows:
+            raise ValueError(
+                f"--layout {text!r}: micro_batch={micro_batch} splits steps, which the trainer does with --pp > 1 only"
+            )
+        return None
+    if rows % micro_batch:
+        raise ValueError(
+            f"--layout {text!r}: micro_batch={micro_batch} must divide the {rows} sequences of each data-parallel rank"
+        )
+    return rows // micro_batch
 
 
 def check_model(cfg: TrainConfig, saved_model: dict | None = None) -> LlamaConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.cli import main
+from moe.cli import UsageError, main
 from moe.models.llama import LlamaConfig
 from moe.train import preflight
 from moe.train.config import TrainConfig, model_config
@@ -100,3 +100,47 @@ def test_bench_from_the_moe_script(monkeypatch, capsys):
         monkeypatch.delitem(sys.modules, name)
     assert main(["bench", "routing", "--help"]) == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def _resolved(argv: list[str]) -> dict:
+    """The options `moe train ARGV` runs with, after its checks (nothing is launched)."""
+    from moe import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", *argv])
+    args._explicit = cli._explicit(parser, ["train", *argv])
+    cli._check_train(args, parser)
+    return {k: getattr(args, k) for k in ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate",
+                                          "pp_schedule", "micro_batches")}  # fmt: skip
+
+
+def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
+    from moe.plan.layout import Layout
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--preset", "tiny", "--batch", "8", "--seq-len", "32"]
+    cases = [  # a layout as moe plan prints it (Layout.short) -> the same run given by flags
+        (Layout(tp=2, ep=2, dp_shard=2, etp=True), ["--nproc", "4", "--tp", "2", "--ep", "2", "--etp"]),
+        (Layout(pp=2, dp_shard=2, micro_batch=2), ["--nproc", "4", "--pp", "2", "--micro-batches", "2"]),
+        (Layout(pp=2, vpp=2, schedule="interleaved_1f1b", micro_batch=4),
+         ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--micro-batches", "2"]),
+        (Layout(dp_shard=2, dp_replicate=2), ["--nproc", "4", "--dp-replicate", "2"]),
+    ]  # fmt: skip
+    for lay, flags in cases:
+        text = lay.short()
+        assert _resolved([*base, "--layout", text]) == _resolved([*base, *flags]), text
+    # dp_shard left out: what --nproc leaves, as the planner derives it from --gpus
+    assert _resolved([*base, "--layout", "tp=2", "--nproc", "4"])["dp_shard"] == 2
+    bad = [
+        ("tp=2,recompute=1", "recompute=1 is not run by the trainer"),
+        ("tp=2,reshard=0", "reshard=0 is not run by the trainer"),
+        ("tp=2,precision=fp8", "precision=fp8 is not run"),
+        ("pp=2,micro_batch=3", "micro_batch=3 must divide the 8 sequences"),
+        ("tp=2,dp_shard=2", "must multiply to the world size 2"),  # with --nproc 2
+    ]
+    for text, message in bad:
+        extra = ["--nproc", "2"] if "dp_shard=2" in text else []
+        with pytest.raises(UsageError, match=message):
+            _resolved([*base, "--layout", text, *extra])
+    with pytest.raises(UsageError, match="--layout replaces --tp"):
+        _resolved([*base, "--layout", "tp=2", "--tp", "2"])
