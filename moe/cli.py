@@ -1,4 +1,4 @@
-"""The ``moe`` command: ``moe train | generate | export | plan | bench``.
+"""The ``moe`` command: ``moe train | generate | export | data | plan | bench``.
 
 Arguments are checked before anything heavy is imported or read; a bad one ends the command
 with exit status 2 and a single line naming the option, what it needs and what it got.
@@ -67,8 +67,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--bias-update-rate", type=float, default=None, help="top-k aux-loss-free bias step (0: off)")
     m.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (None: dropless)")
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's source)")
+    g.add_argument("--data", default=None, help="text, .jsonl, .parquet, datasets files or folders, or a "
+                   "shard folder (moe data tokenize); default: the Python stdlib's source")  # fmt: skip
     g.add_argument("--tokenizer", default=None, help="a local tokenizer.json (default: bytes + 4 specials)")
+    g.add_argument("--text-key", default=d.text_key, help="the text field of .jsonl / .parquet / datasets rows")
     g.add_argument("--batch", type=_positive("--batch"), default=d.batch, help="global batch in sequences")
     g.add_argument("--seq-len", type=_positive("--seq-len"), default=d.seq_len, help="tokens per sequence")
     g.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of the tokens held out")
@@ -377,6 +379,44 @@ def _export(args, p, argv) -> int:
     return 0
 
 
+def _data_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("data", help="prepare training data (moe data tokenize)", formatter_class=_fmt)
+    dsub = p.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    t = dsub.add_parser("tokenize", help="text, .jsonl, .parquet or datasets folders -> token shards",
+                        formatter_class=_fmt)  # fmt: skip
+    t.add_argument("--in", dest="inputs", required=True, help="a file or folder of documents")
+    t.add_argument("--out", required=True, help="the shard folder to write (moe train --data takes it)")
+    t.add_argument("--tokenizer", default=None, help="a local tokenizer.json (default: bytes + 4 specials)")
+    t.add_argument("--text-key", default="text", help="the text field of .jsonl / .parquet / datasets rows")
+    t.add_argument("--workers", type=_positive("--workers"), default=max(1, min(8, os.cpu_count() or 1)),
+                   help="tokenizing processes")  # fmt: skip
+    t.add_argument("--shard-tokens", type=_positive("--shard-tokens"), default=1 << 28, help="tokens per shard")
+    return p
+
+
+def _data(args, p, argv) -> int:
+    if not Path(args.inputs).exists():
+        raise UsageError(f"--in {args.inputs}: no such file or folder")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} exists: choose a new folder for the shards")
+    from .train.tokenize import tokenize_corpus
+
+    try:
+        index = tokenize_corpus(
+            args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key, workers=args.workers,
+            shard_tokens=args.shard_tokens, progress=sys.stderr.isatty(),
+        )  # fmt: skip
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    tokens = sum(s["tokens"] for s in index["shards"])
+    docs = sum(s["documents"] for s in index["shards"])
+    print(f"wrote {tokens} tokens of {docs} documents in {len(index['shards'])} shard(s) ({index['dtype']}) to {out}")
+    return 0
+
+
 def _plan_parser(sub) -> argparse.ArgumentParser:
     # listed in `moe --help`; `main` hands everything after "plan" to the planner's own parser
     # (`moe plan --help` lists its options), since argparse cannot pass on leading options
@@ -446,10 +486,10 @@ def _copy_suppressed(action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="moe", description="Mixture-of-Experts models: train, generate, export, plan, bench")
+    p = _Parser(prog="moe", description="Mixture-of-Experts models: train, generate, export, data, plan, bench")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for make, run in ((_train_parser, _train), (_generate_parser, _generate), (_export_parser, _export),
-                      (_plan_parser, None), (_bench_parser, _bench)):  # fmt: skip
+                      (_data_parser, _data), (_plan_parser, None), (_bench_parser, _bench)):  # fmt: skip
         make(sub).set_defaults(_run=run)
     return p
 

@@ -35,6 +35,7 @@ class TrainConfig:
     # data
     data: str | None = None  # None: the Python standard library's source, byte-level
     tokenizer: str | None = None
+    text_key: str = "text"  # the text field of .jsonl / .parquet / datasets inputs
     batch: int = 8  # global batch, in sequences, the same for every layout
     seq_len: int = 128
     val_fraction: float = 0.01
@@ -81,7 +82,7 @@ LAYOUT_FIELDS = ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "
 
 RESUME_KEEPS = (
     "preset experts top_k router moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "
-    "capacity_factor data tokenizer batch seq_len val_fraction steps lr min_lr_ratio warmup weight_decay "
+    "capacity_factor data tokenizer text_key batch seq_len val_fraction steps lr min_lr_ratio warmup weight_decay "
     "grad_clip seed"
 ).split()
 

@@ -4,7 +4,9 @@ Legend: B global batch (sequences), S sequence length, N tokens in a split.
 
 The default corpus needs no download: the source files of the running Python's standard library
 (sorted, so every machine with the same Python reads the same bytes), byte-level. ``--data``
-takes text files or folders of them; ``--tokenizer`` a local ``tokenizer.json``.
+takes text files, ``.jsonl``, ``.parquet`` and ``datasets`` inputs or folders of them
+(`moe.train.sources`), tokenized at start, or a shard folder written by ``moe data tokenize``
+(`moe.train.shards`), memory-mapped; ``--tokenizer`` a local ``tokenizer.json``.
 
 Batches are a function of (seed, step) only: step s draws its B window starts from a generator
 seeded with (seed, s). The data position in a checkpoint is therefore just the step, a resumed
@@ -23,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+
+from .shards import TokenStream, is_shard_folder, read_index
+from .sources import RECORD_SUFFIXES, documents, input_files
 
 __all__ = ["ByteTokenizer", "Corpus", "HFTokenizer", "load_corpus", "load_tokenizer", "stdlib_files"]
 
@@ -83,17 +88,6 @@ def stdlib_files() -> list[Path]:
     return sorted(out)
 
 
-def _data_files(path: str) -> list[Path]:
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(p):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [Path(dirpath) / f for f in filenames if Path(f).suffix.lower() in _TEXT_SUFFIXES]
-    return sorted(files)
-
-
 def _is_text(raw: bytes) -> bool:
     """Text unless its first 64 KiB hold a NUL byte, which text in any 8-bit encoding never
     has and images, archives and executables almost always do (text that is not UTF-8 is still
@@ -103,7 +97,8 @@ def _is_text(raw: bytes) -> bool:
 
 @dataclass
 class Corpus:
-    """Token ids of the training and held-out splits (int32 numpy arrays)."""
+    """Token ids of the training and held-out splits: int32 numpy arrays, or `TokenStream`s
+    memory-mapped from a shard folder (both take ``len`` and an index array)."""
 
     train: np.ndarray  # (N_train,)
     val: np.ndarray  # (N_val,)
@@ -130,17 +125,59 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[Tens
     return w[:, :-1], w[:, 1:]
 
 
-def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: float = 0.01) -> Corpus:
-    """Read and tokenize the corpus (documents joined by the end-of-text token when there is one),
-    then hold out its last ``val_fraction`` (at least a few sequences) as the fixed validation split."""
-    files = stdlib_files() if data is None else _data_files(data)
-    if not files:
-        raise ValueError(f"--data {data}: no text files found")
+RAW_LIMIT = 1 << 30  # bytes of raw input tokenized in memory at start; more: pre-tokenize to shards
+
+
+def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: float = 0.01,
+                text_key: str = "text") -> Corpus:  # fmt: skip
+    """The corpus's token stream, with its last ``val_fraction`` (at least a few sequences) held
+    out as the fixed validation split. A shard folder (``moe data tokenize``) is memory-mapped;
+    text, ``.jsonl``, ``.parquet`` and ``datasets`` inputs are tokenized at start (documents joined
+    by the end-of-text token when there is one), up to `RAW_LIMIT` bytes."""
+    if data is not None and is_shard_folder(data):
+        tokens, num_files = _shard_tokens(data, tokenizer), len(read_index(data)["shards"])
+    else:
+        files = stdlib_files() if data is None else input_files(data, _TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"--data {data}: no text files found")
+        tokens, num_files = _tokenize(files, data, tokenizer, text_key), len(files)
+    n_val = max(int(len(tokens) * val_fraction), 8 * (seq_len + 1))
+    if len(tokens) - n_val < 4 * (seq_len + 1):
+        raise ValueError(
+            f"--data {data or 'stdlib'}: {len(tokens)} tokens are too few for --seq-len {seq_len} "
+            f"(need at least {n_val + 4 * (seq_len + 1)})"
+        )
+    source = "python-stdlib:" + sysconfig.get_paths()["stdlib"] if data is None else str(Path(data).resolve())
+    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=num_files)
+
+
+def _shard_tokens(folder: str, tokenizer) -> TokenStream:
+    index = read_index(folder)
+    if index["vocab_size"] != tokenizer.vocab_size:
+        raise ValueError(
+            f"--data {folder}: the shards were tokenized by {index['tokenizer']} ({index['vocab_size']} tokens), "
+            f"the run's tokenizer has {tokenizer.vocab_size}: pass that --tokenizer"
+        )
+    return TokenStream.open(folder)
+
+
+def _tokenize(files: list[Path], data: str | None, tokenizer, text_key: str) -> np.ndarray:
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    if size > RAW_LIMIT:
+        raise ValueError(
+            f"--data {data}: {size / 1e9:.1f} GB of raw input would be tokenized in memory: tokenize it once "
+            f"with moe data tokenize --in {data} --out SHARDS and pass the shard folder"
+        )
     eos = getattr(tokenizer, "eos_id", None)
+    tail = [np.asarray([eos], dtype=np.int32)] if eos is not None else []
     ids: list[np.ndarray] = []
     binary: list[Path] = []
     missing: list[Path] = []
     for f in files:
+        if f.suffix.lower() in RECORD_SUFFIXES or f.is_dir():  # documents of a record file or dataset
+            for doc in documents(f, text_key):
+                ids += [np.asarray(tokenizer.encode(doc), dtype=np.int32), *tail]
+            continue
         try:
             raw = f.read_bytes()
         except FileNotFoundError:  # a broken link, or a file removed since the folder was listed
@@ -153,8 +190,7 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
             ids.append(np.frombuffer(raw, dtype=np.uint8).astype(np.int32))
         else:
             ids.append(np.asarray(tokenizer.encode(raw), dtype=np.int32))
-        if eos is not None:
-            ids.append(np.asarray([eos], dtype=np.int32))
+        ids += tail
     if binary and data is not None and Path(data).is_file():
         raise ValueError(f"--data {data}: a binary file, not text (it has NUL bytes)")
     for what, skipped in (("binary file(s)", binary), ("missing file(s) or broken link(s)", missing)):
@@ -162,13 +198,5 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
             print(f"moe train: warning: skipped {len(skipped)} {what} in --data {data}, e.g. {skipped[0]}",
                   file=sys.stderr)  # fmt: skip
     if not ids:
-        raise ValueError(f"--data {data}: no text files found ({len(binary) + len(missing)} skipped)")
-    tokens = np.concatenate(ids)
-    n_val = max(int(len(tokens) * val_fraction), 8 * (seq_len + 1))
-    if len(tokens) - n_val < 4 * (seq_len + 1):
-        raise ValueError(
-            f"--data {data or 'stdlib'}: {len(tokens)} tokens are too few for --seq-len {seq_len} "
-            f"(need at least {n_val + 4 * (seq_len + 1)})"
-        )
-    source = "python-stdlib:" + sysconfig.get_paths()["stdlib"] if data is None else str(Path(data).resolve())
-    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=len(files))
+        raise ValueError(f"--data {data}: no text found ({len(binary) + len(missing)} files skipped)")
+    return np.concatenate(ids)

@@ -73,7 +73,9 @@ class Trainer:
         self.cfg, self.run_dir, self.argv = cfg, run_dir, argv or []
         self.device, self.layout = setup(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
-        self.corpus = load_corpus(cfg.data, self.tokenizer, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction)
+        self.corpus = load_corpus(
+            cfg.data, self.tokenizer, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, text_key=cfg.text_key
+        )
         self.model_config = model_config(cfg, self.tokenizer.vocab_size)
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
