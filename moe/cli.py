@@ -66,6 +66,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--z-loss-coef", type=float, default=None, help="router z-loss weight (preset's)")
     m.add_argument("--bias-update-rate", type=float, default=None, help="top-k aux-loss-free bias step (0: off)")
     m.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (None: dropless)")
+    m.add_argument("--from-hf", default=None, help="start from a local transformers Llama folder (its shape, weights "
+                   "and tokenizer.json; --preset is not used)")  # fmt: skip
+    m.add_argument("--upcycle", type=_positive("--upcycle"), default=None,
+                   help="with --from-hf: its MLPs become this many experts (the layers --moe-every picks)")  # fmt: skip
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, help="text, .jsonl, .parquet, datasets files or folders, or a "
                    "shard folder (moe data tokenize); default: the Python stdlib's source")  # fmt: skip
@@ -144,6 +148,8 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     if args.data is not None and not Path(args.data).exists():
         raise UsageError(f"--data {args.data}: no such file or folder")
+    if args.upcycle is not None and args.from_hf is None:
+        raise UsageError("--upcycle turns a checkpoint's MLPs into experts: it needs --from-hf PATH")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
     if args.stop_at is not None and args.stop_at > args.steps:
@@ -176,10 +182,13 @@ def _check_train(args, p) -> None:
             raise UsageError(str(err)) from None
     if dp_shard % args.ep:
         raise UsageError(f"--ep {args.ep} must divide --dp-shard {dp_shard}: the ep ranks are dp_shard ranks")
+    n_layers = args.n_layers or PRESETS[args.preset].n_layers
     experts = args.experts or (PRESETS[args.preset].moe.num_experts if PRESETS[args.preset].moe else 8)
+    if args.from_hf is not None:
+        n_layers, experts = _check_from_hf(args)
     if experts % args.ep:
         raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
-    _check_pipeline(args, args.n_layers or PRESETS[args.preset].n_layers, args.batch // dp)
+    _check_pipeline(args, n_layers, args.batch // dp)
     args.dp_shard = dp_shard
     _check_model(args, saved_model, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world)
 
@@ -208,6 +217,25 @@ def _apply_layout(args) -> int | None:
         setattr(args, key, value)
     args._explicit |= set(opts) | {"micro_batches"}
     return micro_batch
+
+
+def _check_from_hf(args) -> tuple[int, int]:
+    """--from-hf and --upcycle: a checkpoint folder, and no option that the checkpoint fixes;
+    returns its layers and the experts of an MoE layer (1 without --upcycle)."""
+    from .train.config import hf_config_dict
+
+    path = Path(args.from_hf)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--from-hf {path}: not a transformers model folder (no config.json)")
+    fixed = [k for k in ("dim", "n_layers", "experts") if getattr(args, k) is not None]
+    if fixed or args.dense:
+        what = "--dense (leave out --upcycle for a dense model)" if args.dense else f"--{fixed[0].replace('_', '-')}"
+        raise UsageError(f"--from-hf takes the model's shape from the checkpoint: drop {what}")
+    try:
+        layers = int(hf_config_dict(args.from_hf)["num_hidden_layers"])
+    except (KeyError, ValueError, TypeError) as err:
+        raise UsageError(f"--from-hf {path}: config.json has no usable num_hidden_layers ({err})") from None
+    return layers, args.upcycle or 1
 
 
 # the float options: (option, allowed when None, test, what it needs); NaN fails every test
@@ -397,6 +425,8 @@ def _data_parser(sub) -> argparse.ArgumentParser:
 def _data(args, p, argv) -> int:
     if not Path(args.inputs).exists():
         raise UsageError(f"--in {args.inputs}: no such file or folder")
+    if args.upcycle is not None and args.from_hf is None:
+        raise UsageError("--upcycle turns a checkpoint's MLPs into experts: it needs --from-hf PATH")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
     out = Path(args.out)

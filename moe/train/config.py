@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
+import torch
+
 from ..config import MoEConfig
 from ..models.llama import PRESETS, LlamaConfig
 
-__all__ = ["LAYOUT_FIELDS", "RESUME_KEEPS", "TrainConfig", "model_config", "model_config_from_dict"]
+__all__ = [
+    "LAYOUT_FIELDS", "RESUME_KEEPS", "TrainConfig", "load_hf_model", "model_config", "model_config_from_dict",
+    "run_tokenizer", "upcycle_template",
+]  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -32,6 +37,8 @@ class TrainConfig:
     z_loss_coef: float | None = None
     bias_update_rate: float | None = None  # top-k's aux-loss-free balancing bias step
     capacity_factor: float | None = None
+    from_hf: str | None = None  # a local transformers Llama folder: its shape and weights (the preset's ignored)
+    upcycle: int | None = None  # experts each of its MLPs becomes (the layers --moe-every picks); None: dense
     # data
     data: str | None = None  # None: the Python standard library's source, byte-level
     tokenizer: str | None = None
@@ -82,13 +89,16 @@ LAYOUT_FIELDS = ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "
 
 RESUME_KEEPS = (
     "preset experts top_k router moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "
-    "capacity_factor data tokenizer text_key batch seq_len val_fraction steps lr min_lr_ratio warmup weight_decay "
+    "capacity_factor from_hf upcycle data tokenizer text_key batch seq_len val_fraction steps lr min_lr_ratio warmup weight_decay "
     "grad_clip seed"
 ).split()
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
-    """The `LlamaConfig` of a run: the preset with the run's overrides and the tokenizer's vocabulary."""
+    """The `LlamaConfig` of a run: the preset with the run's overrides and the tokenizer's
+    vocabulary, or with ``from_hf`` the checkpoint's shape (upcycled when ``upcycle`` is set)."""
+    if cfg.from_hf is not None:
+        return _hf_model_config(cfg, vocab_size)
     if cfg.preset not in PRESETS:
         raise ValueError(f"--preset: unknown preset {cfg.preset!r}; known: {', '.join(sorted(PRESETS))}")
     base = PRESETS[cfg.preset]
@@ -119,6 +129,77 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
     )
     over["moe"] = moe
     return LlamaConfig.from_name(cfg.preset, **over)
+
+
+def upcycle_template(cfg: TrainConfig, dim: int, hidden: int) -> MoEConfig | None:
+    """The MoE layer a checkpoint's MLPs are upcycled into (its experts are copies of the MLP,
+    as wide), from the run's model options; None without ``upcycle``."""
+    if cfg.upcycle is None:
+        return None
+    top_k = cfg.top_k if cfg.top_k is not None else (1 if cfg.router == "base" else 2)
+    options = {"bias_update_rate": cfg.bias_update_rate} if cfg.bias_update_rate is not None else {}
+    return MoEConfig(
+        dim=dim, hidden_dim=hidden, num_experts=cfg.upcycle, top_k=top_k, router=cfg.router,
+        combine="sigmoid_residual" if cfg.router == "base" and top_k == 1 else "weighted", router_options=options,
+        aux_loss_coef=0.01 if cfg.aux_loss_coef is None else cfg.aux_loss_coef,
+        z_loss_coef=0.0 if cfg.z_loss_coef is None else cfg.z_loss_coef, capacity_factor=cfg.capacity_factor,
+    )  # fmt: skip
+
+
+def hf_config_dict(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--from-hf {path}: no readable config.json ({err})") from None
+
+
+def _hf_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+    from ..models.llama.hf import config_from_hf
+
+    hf = hf_config_dict(cfg.from_hf)
+    try:
+        base = config_from_hf(hf)
+        if base.vocab_size != vocab_size:
+            raise ValueError(
+                f"the checkpoint's vocabulary has {base.vocab_size} tokens, the tokenizer {vocab_size}: "
+                f"pass the checkpoint's tokenizer.json as --tokenizer"
+            )
+        over = {"max_seq_len": max(base.max_seq_len, cfg.seq_len)}
+        if cfg.upcycle is not None:
+            over["moe"] = upcycle_template(cfg, base.dim, base.ffn_hidden_dim)
+            over["moe_every"] = cfg.moe_every or 1
+        return config_from_hf(hf, **over)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"--from-hf {cfg.from_hf}: {err}") from None
+
+
+def run_tokenizer(cfg: TrainConfig) -> str | None:
+    """The tokenizer a run reads: ``--tokenizer``, else the ``--from-hf`` folder's tokenizer.json."""
+    if cfg.tokenizer is None and cfg.from_hf is not None:
+        from pathlib import Path
+
+        path = Path(cfg.from_hf) / "tokenizer.json"
+        if path.is_file():
+            return str(path)
+    return cfg.tokenizer
+
+
+def load_hf_model(cfg: TrainConfig, config: LlamaConfig, device):
+    """The ``--from-hf`` checkpoint's weights in a `Llama` of ``config`` (fp32, on ``device``),
+    its MLPs upcycled into the experts of ``--upcycle`` (exact copies, new routers from the seed)."""
+    from ..models.llama import Llama
+    from ..models.llama.hf import from_hf
+
+    over = {"max_seq_len": config.max_seq_len}
+    if config.moe is not None:
+        over["moe_every"] = config.moe_every
+    model = from_hf(cfg.from_hf, model_cls=Llama, moe=config.moe, seed=cfg.seed, dtype=torch.float32, **over)
+    if model.config != config:
+        raise ValueError(f"--from-hf {cfg.from_hf}: the loaded model's config differs from the run's")
+    return model.to(device)
 
 
 def model_config_from_dict(d: dict) -> LlamaConfig:

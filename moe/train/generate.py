@@ -23,7 +23,7 @@ from torch import Tensor
 from ..models.llama import Llama
 from ..models.llama.model import apply_rope
 from .checkpoint import latest_checkpoint, load_model_weights
-from .config import TrainConfig, model_config_from_dict
+from .config import TrainConfig, model_config_from_dict, run_tokenizer
 from .data import load_tokenizer
 
 __all__ = ["KVCache", "fit_prompt", "forward_cached", "generate", "generate_from_run", "load_run_model"]
@@ -146,7 +146,7 @@ def load_run_model(run_dir) -> tuple[Llama, dict]:
 
 def generate_from_run(run_dir, args) -> int:
     model, info = load_run_model(run_dir)
-    tokenizer = load_tokenizer(TrainConfig.from_dict(info["train"]).tokenizer)
+    tokenizer = load_tokenizer(run_tokenizer(TrainConfig.from_dict(info["train"])))
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         bos = getattr(tokenizer, "bos_id", None)

@@ -30,7 +30,7 @@ from ..layer import aux_loss
 from ..models.llama import Llama
 from ..parallel import loss_context, router_loss
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, model_config
+from .config import TrainConfig, load_hf_model, model_config, run_tokenizer
 from .data import load_corpus, load_tokenizer
 from .distributed import clip_grad_norm, parallelize, setup
 from .metrics import LoadCounter, MetricsLog, moe_layer_keys, plot_run
@@ -72,14 +72,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> None:
         self.cfg, self.run_dir, self.argv = cfg, run_dir, argv or []
         self.device, self.layout = setup(cfg)
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.tokenizer = load_tokenizer(run_tokenizer(cfg))
         self.corpus = load_corpus(
             cfg.data, self.tokenizer, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, text_key=cfg.text_key
         )
         self.model_config = model_config(cfg, self.tokenizer.vocab_size)
         torch.manual_seed(cfg.seed)
-        with torch.device(self.device):
-            self.model = Llama(self.model_config)
+        if cfg.from_hf is not None and not cfg.resume:  # a resumed run's weights come from its checkpoint
+            self.model = load_hf_model(cfg, self.model_config, self.device)
+        else:
+            with torch.device(self.device):
+                self.model = Llama(self.model_config)
         keys = moe_layer_keys(self.model)  # of the whole model, before a pipeline cuts it
         if self.layout is None:  # launched by torchrun: the same model on every rank, then sharded
             self.model, self.layout = parallelize(self.model, cfg, self.device)

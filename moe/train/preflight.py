@@ -13,7 +13,7 @@ import os
 import re
 
 from ..models.llama import LlamaConfig
-from .config import TrainConfig, model_config
+from .config import TrainConfig, model_config, run_tokenizer
 from .data import load_tokenizer
 
 __all__ = ["available_memory", "check_model", "fit_check", "layout_options", "micro_batches_for", "step_bytes"]
@@ -88,7 +88,7 @@ def check_model(cfg: TrainConfig, saved_model: dict | None = None) -> LlamaConfi
     against it. ``saved_model``: the model of the run being resumed (its vocabulary must be the
     tokenizer's)."""
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(run_tokenizer(cfg))
     except ImportError as err:
         raise ValueError(f"--tokenizer: {err}") from None
     except Exception as err:  # the tokenizers package says why in its own words, over several lines
@@ -103,6 +103,8 @@ def check_model(cfg: TrainConfig, saved_model: dict | None = None) -> LlamaConfi
     try:
         mc = model_config(cfg, vocab)
     except ValueError as err:
+        if str(err).startswith("--"):  # already names its option
+            raise
         raise ValueError(f"{_flag_of(str(err))}: {err}") from None
     _check_layout(cfg, mc)
     return mc
