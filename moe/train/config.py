@@ -89,8 +89,8 @@ LAYOUT_FIELDS = ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "
 
 RESUME_KEEPS = (
     "preset experts top_k router moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "
-    "capacity_factor from_hf upcycle data tokenizer text_key batch seq_len val_fraction steps lr min_lr_ratio warmup weight_decay "
-    "grad_clip seed"
+    "capacity_factor from_hf upcycle data tokenizer text_key batch seq_len val_fraction steps lr min_lr_ratio "
+    "warmup weight_decay grad_clip seed"
 ).split()
 
 
