@@ -53,6 +53,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 
     d = TrainConfig()
     p = sub.add_parser("train", help="train a Llama-2-MoE model", formatter_class=_fmt)
+    p.add_argument("--config", default=None, help="a TOML file of these options by section (flags override it)")
     m = p.add_argument_group("model")
     m.add_argument("--preset", default=d.preset, help="model preset (python -m moe.models.llama lists them)")
     m.add_argument("--experts", type=_positive("--experts"), default=None, help="experts per MoE layer (preset's)")
@@ -506,6 +507,26 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     return set(vars(given))
 
 
+def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
+    """``moe train --config FILE``: the file's values become the train parser's defaults (so
+    flags override them) and count as given; returns them. Its sections are --help's groups
+    (model, data, optimiser, run, layout), its keys the options with underscores."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv[1:])[0].config
+    if path is None:
+        return {}
+    from .train.config_file import read_config
+
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    try:
+        values = read_config(path, train)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    train.set_defaults(**values)
+    return values
+
+
 def _copy_suppressed(action):
     import copy
 
@@ -530,8 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(argv[1:])
     parser = build_parser()
     try:
+        from_file = _config_file(parser, argv) if argv[:1] == ["train"] else {}
         args = parser.parse_args(argv)
-        args._explicit = _explicit(parser, argv)
+        args._explicit = _explicit(parser, argv) | set(from_file)
         return args._run(args, parser, argv)
     except UsageError as err:
         print(f"moe {argv[0] if argv else ''}: error: {err}".replace("  ", " "), file=sys.stderr)
