@@ -67,6 +67,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (None: dropless)")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's source)")
+    g.add_argument("--data-changed-ok", action="store_true",
+                   help="--resume on data that differ from the run's (recorded in config.json)")  # fmt: skip
     g.add_argument("--tokenizer", default=None, help="a local tokenizer.json (default: bytes + 4 specials)")
     g.add_argument("--batch", type=_positive("--batch"), default=d.batch, help="global batch in sequences")
     g.add_argument("--seq-len", type=_positive("--seq-len"), default=d.seq_len, help="tokens per sequence")
@@ -89,6 +91,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--keep", type=_positive("--keep"), default=d.keep, help="checkpoints kept")
     r.add_argument("--stop-at", type=_positive("--stop-at"), default=None,
                    help="end after this step (checkpoint, exit 0), keeping the schedule of --steps")  # fmt: skip
+    r.add_argument("--collective-timeout", type=_positive("--collective-timeout"), default=d.collective_timeout,
+                   help="seconds a rank waits in a collective before the job ends naming the slow ranks")  # fmt: skip
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
     lay = p.add_argument_group("layout (world size = product of the dimensions)")
     lay.add_argument("--nproc", type=_positive("--nproc"), default=d.nproc, help="local processes (torchrun)")
@@ -105,6 +109,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 def _check_train(args, p) -> None:
     """Everything that can be checked without reading data or building the model."""
     from .models.llama import PRESETS
+    from .train import runlock
     from .train.config import LAYOUT_FIELDS, RESUME_KEEPS
 
     if args.out is None:
@@ -112,6 +117,8 @@ def _check_train(args, p) -> None:
             raise UsageError("--resume needs --out DIR, the run folder to continue")
         args.out = str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out = Path(args.out)
+    if args.data is not None:  # a resumed run reads the same files from any directory
+        args.data = str(Path(args.data).resolve())
     if args.resume:
         if not (out / "config.json").exists():
             raise UsageError(f"--resume: {out} is not a run folder (no config.json)")
@@ -120,19 +127,21 @@ def _check_train(args, p) -> None:
         saved = json.loads((out / "config.json").read_text())["train"]
         new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
-            if key in ("out", "resume", "stop_at") or not hasattr(args, key):
+            if key in ("out", "resume", "stop_at", "data_changed_ok") or not hasattr(args, key):
                 continue
             if key in args._explicit and key in RESUME_KEEPS and getattr(args, key) != value:
                 flag = "--" + key.replace("_", "-")
                 raise UsageError(f"{flag} {getattr(args, key)} differs from the run's {value}: a resumed run keeps it")
             if key not in args._explicit and not (new_layout and key in LAYOUT_FIELDS):
                 setattr(args, key, value)
-    elif out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out} exists: pass --resume to continue it, or choose another folder")
+    else:
+        _run_folder(runlock.check_fresh, out)
     if args.preset not in PRESETS:
         raise UsageError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     if args.data is not None and not Path(args.data).exists():
         raise UsageError(f"--data {args.data}: no such file or folder")
+    if args.data is not None and not (Path(args.data).is_file() or Path(args.data).is_dir()):
+        raise UsageError(f"--data {args.data}: not a regular file or a folder (a FIFO or device is never read)")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
     if args.stop_at is not None and args.stop_at > args.steps:
@@ -169,6 +178,16 @@ def _check_train(args, p) -> None:
     args.dp_shard = dp_shard
 
 
+def _run_folder(check, *args) -> None:
+    """``check(*args)``, a run-folder check of `moe.train.runlock`, as a usage error."""
+    from .train.runlock import RunFolderError
+
+    try:
+        check(*args)
+    except RunFolderError as err:
+        raise UsageError(str(err)) from None
+
+
 def _check_pipeline(args, n_layers: int, rows: int) -> None:
     """--pp and its options; ``rows``: the sequences of one data-parallel rank per step."""
     if args.pp == 1:
@@ -202,32 +221,60 @@ def _launch(args, argv) -> int:
 
     SIGINT / SIGTERM (Ctrl-C reaches this process alone: the agent starts each rank in its own
     session) make the agent send the same signal to every rank; the ranks finish their step,
-    write a checkpoint and exit, and this process exits with 128 + the signal's number. A rank
-    still running after `SHUTDOWN_S` seconds is killed."""
+    write a checkpoint and exit, and this process exits with 128 + the signal's number, as it
+    does when the signal reached one rank only (the ranks stop together). A rank still running
+    after `SHUTDOWN_S` seconds is killed. This process holds the run folder's lock for the
+    ranks; they die with it (`moe.train.ranks`)."""
+    import signal
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .train.ranks import LAUNCHER_ENV, KillStoppedRanks, stop_message
+    from .train.runlock import HELD_ENV
+
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
         shutdown_timeout=SHUTDOWN_S,
     )  # fmt: skip
+    os.environ.update({HELD_ENV: "1", LAUNCHER_ENV: str(os.getpid())})  # read by the ranks
+    stopped_ranks = KillStoppedRanks()
+    stopped_ranks.start()
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "moe", *argv, "--out", args.out)
     except ChildFailedError as err:
-        codes = sorted({f.exitcode for f in err.failures.values()})
+        exits = {rank: f.exitcode for rank, f in err.failures.items()}
+        stopped = {c - 128 if c > 0 else -c for c in exits.values()}
+        if len(stopped) == 1 and stopped <= {signal.SIGINT, signal.SIGTERM} and max(exits.values()) > 0:
+            signum = stopped.pop()  # a signal that reached some ranks: they stopped together, checkpointed
+            if exits.get(0, 0) < 0:  # rank 0 ended by the agent's signal before it could say so
+                latest = (Path(args.out) / "checkpoints" / "latest").read_text().strip()
+                path = Path(args.out) / "checkpoints" / latest
+                print(stop_message(signum, int(latest.rsplit("_", 1)[1]), path, args.out))
+            return 128 + signum
+        codes = sorted(set(exits.values()))
         print(f"moe train: {len(err.failures)} of {args.nproc} ranks failed (exit {codes})", file=sys.stderr)
         return codes[-1] if len(codes) == 1 and codes[0] > 0 else 1
     except SignalException as err:  # raised by the agent once the ranks have exited
         return 128 + int(err.sigval)
+    finally:
+        stopped_ranks.stop()
     return 0
 
 
 def _train(args, p, argv) -> int:
+    from .train import runlock
+    from .train.ranks import die_with_launcher
+
+    die_with_launcher()  # in a rank of the --nproc launcher (which has done the checks below)
     _check_train(args, p)
+    if "WORLD_SIZE" not in os.environ:  # one process or the --nproc launcher: hold the run folder
+        _run_folder(runlock.acquire, Path(args.out), not args.resume)
+    if args.resume and runlock.HELD_ENV not in os.environ:
+        _check_data(args, Path(args.out))
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, argv)
     from .train.config import TrainConfig
@@ -240,6 +287,22 @@ def _train(args, p, argv) -> int:
         if str(err).startswith("--"):
             raise UsageError(str(err)) from None
         raise
+    except runlock.RunFolderError as err:  # under torchrun, from rank 0 (moe.train.distributed.setup)
+        raise UsageError(str(err)) from None
+
+
+def _check_data(args, out: Path) -> None:
+    """--resume reads the corpus the run was trained on (the fingerprint in config.json) unless
+    --data-changed-ok; runs written before fingerprints are not checked."""
+    from .train.data import fingerprint, fingerprint_diff
+
+    saved = json.loads((out / "config.json").read_text()).get("data", {}).get("fingerprint")
+    diff = None if saved is None else fingerprint_diff(saved, fingerprint(args.data))
+    if diff is not None and not args.data_changed_ok:
+        raise UsageError(
+            f"--resume: the data differ from the run's: {diff} in {args.data or 'the stdlib corpus'}; "
+            "restore them, or pass --data-changed-ok to train on them"
+        )
 
 
 def _generate_parser(sub) -> argparse.ArgumentParser:

@@ -2,6 +2,15 @@
 
 Legend: B global batch (sequences), S sequence length, N tokens in a split.
 
+The corpus has a fingerprint: each file's path (relative to ``--data``, or to the standard
+library), size and SHA-1, taken from the bytes as they are read for tokenizing (hashing costs
+less than tokenizing). A resumed run compares it with the one in ``config.json``
+(`fingerprint_diff`), so data changed in place, or another folder found under the same
+relative path, is noticed instead of trained on silently.
+
+Only regular files are read: a FIFO, socket or device in a data folder would block the read or
+never end, and is skipped with a warning counting them.
+
 The default corpus needs no download: the source files of the running Python's standard library
 (sorted, so every machine with the same Python reads the same bytes), byte-level. ``--data``
 takes text files or folders of them; ``--tokenizer`` a local ``tokenizer.json``.
@@ -14,7 +23,9 @@ run reads exactly what the uninterrupted one would, and every layout sees the sa
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +34,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ByteTokenizer", "Corpus", "HFTokenizer", "load_corpus", "load_tokenizer", "stdlib_files"]
+__all__ = [
+    "ByteTokenizer", "Corpus", "HFTokenizer", "corpus_files", "fingerprint", "fingerprint_diff", "load_corpus",
+    "load_tokenizer", "stdlib_files",
+]  # fmt: skip
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".c", ".h", ".js", ".tex", ""}
@@ -86,11 +100,57 @@ def _data_files(path: str) -> list[Path]:
     p = Path(path)
     if p.is_file():
         return [p]
-    files = []
+    files, special = [], 0
     for dirpath, dirnames, filenames in os.walk(p):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [Path(dirpath) / f for f in filenames if Path(f).suffix.lower() in _TEXT_SUFFIXES]
+        named = [Path(dirpath) / f for f in filenames if Path(f).suffix.lower() in _TEXT_SUFFIXES]
+        regular = [f for f in named if f.is_file()]  # follows links; False for FIFOs, sockets, devices
+        files += regular
+        special += len(named) - len(regular)
+    if special and os.environ.get("RANK", "0") == "0":  # said once per job
+        print(f"moe train: warning: --data {path}: skipped {special} files that are not regular files "
+              "(FIFOs, sockets, devices)", file=sys.stderr)  # fmt: skip
     return sorted(files)
+
+
+def corpus_files(data: str | None) -> tuple[list[Path], Path]:
+    """The files of ``--data`` (None: the standard library) in reading order, and the folder
+    their fingerprint names them relative to."""
+    if data is None:
+        return stdlib_files(), Path(sysconfig.get_paths()["stdlib"])
+    return _data_files(data), Path(data) if Path(data).is_dir() else Path(data).parent
+
+
+def _entry(raw: bytes) -> str:
+    return f"{len(raw)} {hashlib.sha1(raw).hexdigest()[:16]}"
+
+
+def fingerprint(data: str | None) -> dict[str, str]:
+    """``{relative path: "size sha1-prefix"}`` of the corpus, reading without tokenizing."""
+    files, root = corpus_files(data)
+    return {f.relative_to(root).as_posix(): _entry(f.read_bytes()) for f in files}
+
+
+def fingerprint_diff(old: dict[str, str], new: dict[str, str]) -> str | None:
+    """What differs between two fingerprints, in a few words (None: the same files and bytes)."""
+    changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    parts = []
+    for what, names in (("changed", changed), ("missing", sorted(old.keys() - new.keys())),
+                        ("new", sorted(new.keys() - old.keys()))):  # fmt: skip
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{len(names)} {what} ({', '.join(names[:3])}{more})")
+    return "; ".join(parts) or None
+
+
+def data_changes(saved: dict, corpus: Corpus, step: int, argv: list[str]) -> list[dict]:
+    """``config.json``'s list of resumes that read other data than before, with this one added
+    when its corpus differs from the saved fingerprint (``saved``: the old config.json)."""
+    changes = list(saved.get("data_changes", []))
+    diff = fingerprint_diff(saved.get("data", {}).get("fingerprint", corpus.fingerprint), corpus.fingerprint)
+    if diff is not None:
+        changes.append({"step": step, "differs": diff, "command": argv})
+    return changes
 
 
 @dataclass
@@ -101,6 +161,7 @@ class Corpus:
     val: np.ndarray  # (N_val,)
     source: str  # where the text came from, for config.json
     num_files: int
+    fingerprint: dict  # {relative path: "size sha1-prefix"}: see `fingerprint`
 
     def batch(self, step: int, seed: int, batch: int, seq_len: int) -> tuple[Tensor, Tensor]:
         """The global batch of ``step``: inputs and next-token targets, both (B, S) int64."""
@@ -125,13 +186,15 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[Tens
 def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: float = 0.01) -> Corpus:
     """Read and tokenize the corpus (documents joined by the end-of-text token when there is one),
     then hold out its last ``val_fraction`` (at least a few sequences) as the fixed validation split."""
-    files = stdlib_files() if data is None else _data_files(data)
+    files, root = corpus_files(data)
     if not files:
         raise ValueError(f"--data {data}: no text files found")
     eos = getattr(tokenizer, "eos_id", None)
     ids: list[np.ndarray] = []
+    prints = {}
     for f in files:
         raw = f.read_bytes()
+        prints[f.relative_to(root).as_posix()] = _entry(raw)
         if isinstance(tokenizer, ByteTokenizer):
             ids.append(np.frombuffer(raw, dtype=np.uint8).astype(np.int32))
         else:
@@ -146,4 +209,4 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
             f"(need at least {n_val + 4 * (seq_len + 1)})"
         )
     source = "python-stdlib:" + sysconfig.get_paths()["stdlib"] if data is None else str(Path(data).resolve())
-    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=len(files))
+    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=len(files), fingerprint=prints)
