@@ -271,6 +271,15 @@ def _train(args, p, argv) -> int:
 
     die_with_launcher()  # in a rank of the --nproc launcher (which has done the checks below)
     _check_train(args, p)
+    try:
+        return _train_locked(args, argv)
+    finally:
+        runlock.release()
+
+
+def _train_locked(args, argv) -> int:
+    from .train import runlock
+
     if "WORLD_SIZE" not in os.environ:  # one process or the --nproc launcher: hold the run folder
         _run_folder(runlock.acquire, Path(args.out), not args.resume)
     if args.resume and runlock.HELD_ENV not in os.environ:

@@ -18,7 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
-__all__ = ["HELD_ENV", "LOCK_NAME", "RunFolderError", "acquire", "check_fresh"]
+__all__ = ["HELD_ENV", "LOCK_NAME", "RunFolderError", "acquire", "check_fresh", "release"]
 
 LOCK_NAME = ".lock"
 HELD_ENV = "MOE_RUN_LOCK_HELD"  # set by the --nproc launcher for its ranks: the job holds the lock
@@ -62,6 +62,13 @@ def acquire(run_dir: Path, fresh: bool) -> None:
     _held.append(fd)
     if fresh:
         check_fresh(run_dir)
+
+
+def release() -> None:
+    """Release the locks this process holds (the command does when it returns: `moe.cli.main`
+    may be called again in the same process)."""
+    while _held:
+        os.close(_held.pop())
 
 
 def _describe(raw: bytes) -> str:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from moe.cli import main
+
 from .run import ROOT, TINY, corpus, env, moe
 
 LONG = [*TINY, "--steps", 1000, "--eval-every", 1000, "--checkpoint-every", 1]
@@ -88,7 +90,7 @@ def test_nproc2_lock_sigterm_to_one_rank_stopped_rank_and_launcher_killed(tmp_pa
     _wait_for_step(job, run, 2)
     ranks = _ranks(job.pid)
 
-    second = moe("train", "--out", run, "--resume", check=False)  # A
+    second = moe("train", "--out", run, "--resume", check=False, timeout=120)  # A
     assert second.returncode == 2, second.stderr
     assert len(second.stderr.strip().splitlines()) == 1, second.stderr
     assert f"--out {run} is in use by another moe train (pid {job.pid} on " in second.stderr
@@ -124,14 +126,17 @@ def test_nproc2_lock_sigterm_to_one_rank_stopped_rank_and_launcher_killed(tmp_pa
             break
         time.sleep(0.25)
     assert [pid for pid in ranks.values() if not _gone(pid)] == []  # within 10 s
-    last = int((run / "checkpoints" / "latest").read_text().strip().rsplit("_", 1)[1])
-    moe("train", "--out", run, "--resume", "--nproc", 1, "--stop-at", last + 1)  # the lock died with its holder
-    assert _metrics(run)[-1]["step"] == last + 1
+    fd = os.open(run / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lock died with its holder: a new job takes it
+    finally:
+        os.close(fd)
 
 
-def test_a_held_lock_refuses_a_fresh_start_into_the_new_folder(tmp_path, data):
+def test_a_held_lock_refuses_a_fresh_start_into_the_new_folder(tmp_path, data, capsys):
     """Two new runs into one new folder: the one that comes second finds the folder empty but
-    locked (the first has not written anything yet) and exits 2 naming the first."""
+    locked (the first has not written anything yet) and exits 2 naming the first; once the
+    first has ended, the lock file it leaves does not make the folder "exist"."""
     run = tmp_path / "run"
     run.mkdir()
     fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT)
@@ -139,21 +144,23 @@ def test_a_held_lock_refuses_a_fresh_start_into_the_new_folder(tmp_path, data):
     holder = {"pid": 4242, "host": "node7", "started": "2026-01-02T03:04:05", "command": "moe train --out x"}
     os.write(fd, json.dumps(holder).encode())
     try:
-        proc = moe("train", *TINY, "--data", data, "--steps", 2, "--out", run, check=False)
+        assert main(["train", *map(str, TINY), "--data", str(data), "--steps", "2", "--out", str(run)]) == 2
     finally:
         os.close(fd)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "in use by another moe train (pid 4242 on node7, started 2026-01-02T03:04:05: moe train --out x)" in (
-        proc.stderr
-    )
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "in use by another moe train (pid 4242 on node7, started 2026-01-02T03:04:05: moe train --out x)" in err
     assert sorted(p.name for p in run.iterdir()) == [".lock"]
 
+    os.mkfifo(data.parent / "pipe")  # and a FIFO named by --data is never opened
+    assert main(["train", "--data", str(data.parent / "pipe"), "--out", str(tmp_path / "other")]) == 2
+    assert "not a regular file or a folder" in capsys.readouterr().err
 
-def test_resume_refuses_changed_data_unless_data_changed_ok(tmp_path):
+
+def test_resume_refuses_changed_data_unless_data_changed_ok(tmp_path, capsys, monkeypatch):
     """A relative --data is stored absolute with the corpus's fingerprint; a file changed in
     place is refused on --resume (from another directory) until --data-changed-ok, which is
-    recorded and applies to that job only. A FIFO in the data folder is skipped, one named by
-    --data refused."""
+    recorded and applies to that job only. A FIFO in the data folder is skipped."""
     data = corpus(tmp_path)
     os.mkfifo(data / "pipe")
     run = tmp_path / "run"
@@ -165,21 +172,18 @@ def test_resume_refuses_changed_data_unless_data_changed_ok(tmp_path):
     (data / "pipe").unlink()  # (else each later command warns again)
 
     (data / "__init__.py").write_bytes((data / "__init__.py").read_bytes() + b"# edited\n")
-    refused = moe("train", "--out", run, "--resume", check=False)
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-    assert "--resume: the data differ from the run's: 1 changed (__init__.py)" in refused.stderr
-    assert "--data-changed-ok" in refused.stderr
+    monkeypatch.chdir(ROOT)  # another directory than the run's first job
+    assert main(["train", "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--resume: the data differ from the run's: 1 changed (__init__.py)" in err and "--data-changed-ok" in err
 
     moe("train", "--out", run, "--resume", "--data-changed-ok", "--stop-at", 2)
     cfg = json.loads((run / "config.json").read_text())
     assert [(c["step"], c["differs"]) for c in cfg["data_changes"]] == [(1, "1 changed (__init__.py)")]
     (data / "shutil.py").unlink()
-    again = moe("train", "--out", run, "--resume", check=False)  # the flag was for that job only
-    assert again.returncode == 2 and "1 missing (shutil.py)" in again.stderr, again.stderr
-
-    os.mkfifo(data / "pipe")
-    fifo = moe("train", *TINY, "--data", data / "pipe", "--out", tmp_path / "other", check=False)
-    assert fifo.returncode == 2 and "not a regular file or a folder" in fifo.stderr, fifo.stderr
+    assert main(["train", "--out", str(run), "--resume"]) == 2  # the flag was for that job only
+    assert "1 missing (shutil.py)" in capsys.readouterr().err
 
 
 def test_the_stdlib_corpus_has_a_fingerprint():
