@@ -262,6 +262,8 @@ def _launch(args, argv) -> int:
         return 128 + int(err.sigval)
     finally:
         stopped_ranks.stop()
+        for key in (HELD_ENV, LAUNCHER_ENV):  # this process is no rank (main may run again in it)
+            os.environ.pop(key, None)
     return 0
 
 
