@@ -113,7 +113,7 @@ def test_nproc2_lock_sigterm_to_one_rank_stopped_rank_and_launcher_killed(tmp_pa
     took = time.monotonic() - t0
     err = job.texts()[1]
     assert f"a collective timed out after 6 s (--collective-timeout); not reached by rank 1 (pid {ranks[1]}" in err
-    assert took < 6 + 15, took  # the timeout, the grace for the others, the teardown; not the agent's 600 s
+    assert took < 6 + 18, took  # the timeout, the grace for the others, the teardown; not the agent's 30 s
     assert _gone(ranks[1])
 
     job = _start(tmp_path, "killed", "train", "--out", run, "--resume", "--collective-timeout", 600)  # C
