@@ -143,13 +143,19 @@ def test_a_held_lock_refuses_a_fresh_start_into_the_new_folder(tmp_path, data, c
     fcntl.flock(fd, fcntl.LOCK_EX)
     holder = {"pid": 4242, "host": "node7", "started": "2026-01-02T03:04:05", "command": "moe train --out x"}
     os.write(fd, json.dumps(holder).encode())
+    named = "in use by another moe train (pid 4242 on node7, started 2026-01-02T03:04:05: moe train --out x)"
     try:
         assert main(["train", *map(str, TINY), "--data", str(data), "--steps", "2", "--out", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and named in err, err
+        # under a plain torchrun rank 0 takes the lock and tells the other rank: both exit 2
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe",
+               "train", *map(str, TINY), "--data", str(data), "--steps", "2", "--out", str(run)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     finally:
         os.close(fd)
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1, err
-    assert "in use by another moe train (pid 4242 on node7, started 2026-01-02T03:04:05: moe train --out x)" in err
+    assert proc.returncode != 0 and proc.stderr.count(named) == 2, proc.stderr
+    assert "exitcode  : 2" in proc.stderr, proc.stderr  # (torchrun prints its own traceback after)
     assert sorted(p.name for p in run.iterdir()) == [".lock"]
 
     os.mkfifo(data.parent / "pipe")  # and a FIFO named by --data is never opened
