@@ -225,14 +225,13 @@ def _launch(args, argv) -> int:
     does when the signal reached one rank only (the ranks stop together). A rank still running
     after `SHUTDOWN_S` seconds is killed. This process holds the run folder's lock for the
     ranks; they die with it (`moe.train.ranks`)."""
-    import signal
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .train.ranks import LAUNCHER_ENV, KillStoppedRanks, stop_message
+    from .train.ranks import LAUNCHER_ENV, KillStoppedRanks, signal_stop, stop_message
     from .train.runlock import HELD_ENV
 
     config = LaunchConfig(
@@ -247,9 +246,8 @@ def _launch(args, argv) -> int:
         elastic_launch(config, entrypoint=sys.executable)("-m", "moe", *argv, "--out", args.out)
     except ChildFailedError as err:
         exits = {rank: f.exitcode for rank, f in err.failures.items()}
-        stopped = {c - 128 if c > 0 else -c for c in exits.values()}
-        if len(stopped) == 1 and stopped <= {signal.SIGINT, signal.SIGTERM} and max(exits.values()) > 0:
-            signum = stopped.pop()  # a signal that reached some ranks: they stopped together, checkpointed
+        signum = signal_stop(exits)
+        if signum is not None:  # a signal that reached some ranks: they stopped together, checkpointed
             if exits.get(0, 0) < 0:  # rank 0 ended by the agent's signal before it could say so
                 latest = (Path(args.out) / "checkpoints" / "latest").read_text().strip()
                 path = Path(args.out) / "checkpoints" / latest
@@ -284,8 +282,13 @@ def _train_locked(args, argv) -> int:
 
     if "WORLD_SIZE" not in os.environ:  # one process or the --nproc launcher: hold the run folder
         _run_folder(runlock.acquire, Path(args.out), not args.resume)
-    if args.resume and runlock.HELD_ENV not in os.environ:
-        _check_data(args, Path(args.out))
+    if args.resume and runlock.HELD_ENV not in os.environ:  # (the --nproc launcher has checked)
+        from .train.data import check_resume_data
+
+        try:
+            check_resume_data(Path(args.out), args.data, args.data_changed_ok)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, argv)
     from .train.config import TrainConfig
@@ -300,20 +303,6 @@ def _train_locked(args, argv) -> int:
         raise
     except runlock.RunFolderError as err:  # under torchrun, from rank 0 (moe.train.distributed.setup)
         raise UsageError(str(err)) from None
-
-
-def _check_data(args, out: Path) -> None:
-    """--resume reads the corpus the run was trained on (the fingerprint in config.json) unless
-    --data-changed-ok; runs written before fingerprints are not checked."""
-    from .train.data import fingerprint, fingerprint_diff
-
-    saved = json.loads((out / "config.json").read_text()).get("data", {}).get("fingerprint")
-    diff = None if saved is None else fingerprint_diff(saved, fingerprint(args.data))
-    if diff is not None and not args.data_changed_ok:
-        raise UsageError(
-            f"--resume: the data differ from the run's: {diff} in {args.data or 'the stdlib corpus'}; "
-            "restore them, or pass --data-changed-ok to train on them"
-        )
 
 
 def _generate_parser(sub) -> argparse.ArgumentParser:

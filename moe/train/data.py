@@ -24,6 +24,7 @@ run reads exactly what the uninterrupted one would, and every layout sees the sa
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -35,8 +36,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ByteTokenizer", "Corpus", "HFTokenizer", "corpus_files", "fingerprint", "fingerprint_diff", "load_corpus",
-    "load_tokenizer", "stdlib_files",
+    "ByteTokenizer", "Corpus", "HFTokenizer", "check_resume_data", "corpus_files", "data_changes", "fingerprint",
+    "fingerprint_diff", "load_corpus", "load_tokenizer", "stdlib_files",
 ]  # fmt: skip
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -141,6 +142,19 @@ def fingerprint_diff(old: dict[str, str], new: dict[str, str]) -> str | None:
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             parts.append(f"{len(names)} {what} ({', '.join(names[:3])}{more})")
     return "; ".join(parts) or None
+
+
+def check_resume_data(run_dir: Path, data: str | None, changed_ok: bool) -> None:
+    """``--resume`` reads the corpus the run was trained on (the fingerprint in its config.json)
+    unless ``changed_ok``; a run written before fingerprints is not checked. Raises ValueError
+    (one line: what differs)."""
+    saved = json.loads((run_dir / "config.json").read_text()).get("data", {}).get("fingerprint")
+    diff = None if saved is None else fingerprint_diff(saved, fingerprint(data))
+    if diff is not None and not changed_ok:
+        raise ValueError(
+            f"--resume: the data differ from the run's: {diff} in {data or 'the stdlib corpus'}; "
+            "restore them, or pass --data-changed-ok to train on them"
+        )
 
 
 def data_changes(saved: dict, corpus: Corpus, step: int, argv: list[str]) -> list[dict]:

@@ -197,7 +197,7 @@ class Trainer:
                 "train_tokens": len(c.train),
                 "val_tokens": len(c.val),
                 "fingerprint": c.fingerprint,
-            },  # fmt: skip
+            },
             "data_changes": data_changes(saved, c, self.step, self.argv),  # resumes on other data
             "params": self.model_config.num_params(),
             "active_params": self.model_config.num_active_params(),

@@ -24,7 +24,7 @@ import time
 
 __all__ = [
     "LAUNCHER_ENV", "KillStoppedRanks", "collective_failure", "die_with_launcher", "name_slow_ranks", "record_rank",
-    "stop_message",
+    "signal_stop", "stop_message",
 ]  # fmt: skip
 
 LAUNCHER_ENV = "MOE_LAUNCHER_PID"  # the --nproc launcher's pid, for the ranks it starts
@@ -113,6 +113,15 @@ def stop_message(signum: int, step: int, path, run_dir) -> str:
     """What a job stopped by SIGINT / SIGTERM prints (rank 0, or the launcher for it)."""
     name = signal.Signals(signum).name
     return f"{name}: stopped after step {step}, checkpoint {path}; resume with: moe train --out {run_dir} --resume"
+
+
+def signal_stop(exits: dict[int, int]) -> int | None:
+    """The signal a job's failed ranks (``{rank: exit status}``, negative: killed by that
+    signal) stopped on together, or None when one of them failed otherwise."""
+    signums = {code - 128 if code > 0 else -code for code in exits.values()}
+    if len(signums) == 1 and signums <= {signal.SIGINT, signal.SIGTERM} and max(exits.values()) > 0:
+        return signums.pop()  # at least one rank went through its handler: the checkpoint is written
+    return None
 
 
 def collective_failure(err: BaseException, timeout_s: int) -> str | None:
