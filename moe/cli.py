@@ -74,6 +74,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, help="text, .jsonl, .parquet, datasets files or folders, or a "
                    "shard folder (moe data tokenize); default: the Python stdlib's source")  # fmt: skip
+    g.add_argument("--data-changed-ok", action="store_true",
+                   help="--resume on data that differ from the run's (recorded in config.json)")  # fmt: skip
     g.add_argument("--tokenizer", default=None, help="a local tokenizer.json (default: bytes + 4 specials)")
     g.add_argument("--text-key", default=d.text_key, help="the text field of .jsonl / .parquet / datasets rows")
     g.add_argument("--batch", type=_positive("--batch"), default=d.batch, help="global batch in sequences")
@@ -97,6 +99,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--keep", type=_positive("--keep"), default=d.keep, help="checkpoints kept")
     r.add_argument("--stop-at", type=_positive("--stop-at"), default=None,
                    help="end after this step (checkpoint, exit 0), keeping the schedule of --steps")  # fmt: skip
+    r.add_argument("--collective-timeout", type=_positive("--collective-timeout"), default=d.collective_timeout,
+                   help="seconds a rank waits in a collective before the job ends naming the slow ranks")  # fmt: skip
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
     r.add_argument("--force", action="store_true", help="start even when the memory estimate exceeds this machine's")
     lay = p.add_argument_group("layout (world size = product of the dimensions)")
@@ -116,6 +120,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 def _check_train(args, p) -> None:
     """Everything that can be checked without reading data or building the model."""
     from .models.llama import PRESETS
+    from .train import runlock
     from .train.config import LAYOUT_FIELDS, RESUME_KEEPS
 
     if args.out is None:
@@ -125,6 +130,8 @@ def _check_train(args, p) -> None:
     out = Path(args.out)
     saved_model = None
     micro_batch = _apply_layout(args)
+    if args.data is not None:  # a resumed run reads the same files from any directory
+        args.data = str(Path(args.data).resolve())
     if args.resume:
         if not (out / "config.json").exists():
             raise UsageError(f"--resume: {out} is not a run folder (no config.json)")
@@ -134,7 +141,7 @@ def _check_train(args, p) -> None:
         saved, saved_model = saved_info["train"], saved_info.get("model")
         new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
-            if key in ("out", "resume", "stop_at") or not hasattr(args, key):
+            if key in ("out", "resume", "stop_at", "data_changed_ok") or not hasattr(args, key):
                 continue
             if key in args._explicit and key in RESUME_KEEPS and getattr(args, key) != value:
                 flag = "--" + key.replace("_", "-")
@@ -143,12 +150,14 @@ def _check_train(args, p) -> None:
                 setattr(args, key, value)
     elif out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file: name a folder for the run")
-    elif out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out} exists: pass --resume to continue it, or choose another folder")
+    else:
+        _run_folder(runlock.check_fresh, out)
     if args.preset not in PRESETS:
         raise UsageError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     if args.data is not None and not Path(args.data).exists():
         raise UsageError(f"--data {args.data}: no such file or folder")
+    if args.data is not None and not (Path(args.data).is_file() or Path(args.data).is_dir()):
+        raise UsageError(f"--data {args.data}: not a regular file or a folder (a FIFO or device is never read)")
     if args.upcycle is not None and args.from_hf is None:
         raise UsageError("--upcycle turns a checkpoint's MLPs into experts: it needs --from-hf PATH")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
@@ -277,6 +286,16 @@ def _check_model(args, saved_model: dict | None, local_procs: int) -> None:
         raise UsageError(str(err)) from None
 
 
+def _run_folder(check, *args) -> None:
+    """``check(*args)``, a run-folder check of `moe.train.runlock`, as a usage error."""
+    from .train.runlock import RunFolderError
+
+    try:
+        check(*args)
+    except RunFolderError as err:
+        raise UsageError(str(err)) from None
+
+
 def _check_pipeline(args, n_layers: int, rows: int) -> None:
     """--pp and its options; ``rows``: the sequences of one data-parallel rank per step."""
     if args.pp == 1:
@@ -310,32 +329,74 @@ def _launch(args, argv) -> int:
 
     SIGINT / SIGTERM (Ctrl-C reaches this process alone: the agent starts each rank in its own
     session) make the agent send the same signal to every rank; the ranks finish their step,
-    write a checkpoint and exit, and this process exits with 128 + the signal's number. A rank
-    still running after `SHUTDOWN_S` seconds is killed."""
+    write a checkpoint and exit, and this process exits with 128 + the signal's number, as it
+    does when the signal reached one rank only (the ranks stop together). A rank still running
+    after `SHUTDOWN_S` seconds is killed. This process holds the run folder's lock for the
+    ranks; they die with it (`moe.train.ranks`)."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .train.ranks import LAUNCHER_ENV, KillStoppedRanks, signal_stop, stop_message
+    from .train.runlock import HELD_ENV
+
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
         shutdown_timeout=SHUTDOWN_S,
     )  # fmt: skip
+    os.environ.update({HELD_ENV: "1", LAUNCHER_ENV: str(os.getpid())})  # read by the ranks
+    stopped_ranks = KillStoppedRanks()
+    stopped_ranks.start()
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "moe", *argv, "--out", args.out)
     except ChildFailedError as err:
-        codes = sorted({f.exitcode for f in err.failures.values()})
+        exits = {rank: f.exitcode for rank, f in err.failures.items()}
+        signum = signal_stop(exits)
+        if signum is not None:  # a signal that reached some ranks: they stopped together, checkpointed
+            if exits.get(0, 0) < 0:  # rank 0 ended by the agent's signal before it could say so
+                latest = (Path(args.out) / "checkpoints" / "latest").read_text().strip()
+                path = Path(args.out) / "checkpoints" / latest
+                print(stop_message(signum, int(latest.rsplit("_", 1)[1]), path, args.out))
+            return 128 + signum
+        codes = sorted(set(exits.values()))
         print(f"moe train: {len(err.failures)} of {args.nproc} ranks failed (exit {codes})", file=sys.stderr)
         return codes[-1] if len(codes) == 1 and codes[0] > 0 else 1
     except SignalException as err:  # raised by the agent once the ranks have exited
         return 128 + int(err.sigval)
+    finally:
+        stopped_ranks.stop()
+        for key in (HELD_ENV, LAUNCHER_ENV):  # this process is no rank (main may run again in it)
+            os.environ.pop(key, None)
     return 0
 
 
 def _train(args, p, argv) -> int:
+    from .train import runlock
+    from .train.ranks import die_with_launcher
+
+    die_with_launcher()  # in a rank of the --nproc launcher (which has done the checks below)
     _check_train(args, p)
+    try:
+        return _train_locked(args, argv)
+    finally:
+        runlock.release()
+
+
+def _train_locked(args, argv) -> int:
+    from .train import runlock
+
+    if "WORLD_SIZE" not in os.environ:  # one process or the --nproc launcher: hold the run folder
+        _run_folder(runlock.acquire, Path(args.out), not args.resume)
+    if args.resume and runlock.HELD_ENV not in os.environ:  # (the --nproc launcher has checked)
+        from .train.fingerprint import check_resume_data
+
+        try:
+            check_resume_data(Path(args.out), args.data, args.data_changed_ok)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, argv)
     from .train.config import TrainConfig
@@ -348,6 +409,8 @@ def _train(args, p, argv) -> int:
         if str(err).startswith("--"):
             raise UsageError(str(err)) from None
         raise
+    except runlock.RunFolderError as err:  # under torchrun, from rank 0 (moe.train.distributed.setup)
+        raise UsageError(str(err)) from None
 
 
 def _generate_parser(sub) -> argparse.ArgumentParser:
@@ -426,8 +489,6 @@ def _data_parser(sub) -> argparse.ArgumentParser:
 def _data(args, p, argv) -> int:
     if not Path(args.inputs).exists():
         raise UsageError(f"--in {args.inputs}: no such file or folder")
-    if args.upcycle is not None and args.from_hf is None:
-        raise UsageError("--upcycle turns a checkpoint's MLPs into experts: it needs --from-hf PATH")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
     out = Path(args.out)

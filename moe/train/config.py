@@ -63,6 +63,8 @@ class TrainConfig:
     stop_at: int | None = None
     resume: bool = False
     plot_every: int | None = None  # None: at every evaluation
+    collective_timeout: int = 600  # seconds in one collective before the job ends (init_process_group)
+    data_changed_ok: bool = False  # this --resume may read data that differ from the run's
     # layout (world size = product; see moe.parallel.parallelize_llama / pipeline_llama)
     nproc: int = 1
     tp: int = 1

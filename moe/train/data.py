@@ -2,6 +2,14 @@
 
 Legend: B global batch (sequences), S sequence length, N tokens in a split.
 
+The corpus has a fingerprint (`moe.train.fingerprint`), taken from the bytes as they are read
+for tokenizing; a resumed run compares it with the one in ``config.json``, so data changed in
+place, or another folder found under the same relative path, is noticed instead of trained on
+silently.
+
+Only regular files are read: a FIFO, socket or device in a data folder would block the read or
+never end, and is skipped with a warning counting them.
+
 The default corpus needs no download: the source files of the running Python's standard library
 (sorted, so every machine with the same Python reads the same bytes), byte-level. ``--data``
 takes text files, ``.jsonl``, ``.parquet`` and ``datasets`` inputs or folders of them
@@ -26,10 +34,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .fingerprint import entries_of, entry, shard_fingerprint
 from .shards import TokenStream, is_shard_folder, read_index
 from .sources import RECORD_SUFFIXES, documents, input_files
 
-__all__ = ["ByteTokenizer", "Corpus", "HFTokenizer", "load_corpus", "load_tokenizer", "stdlib_files"]
+__all__ = ["ByteTokenizer", "Corpus", "HFTokenizer", "corpus_files", "load_corpus", "load_tokenizer", "stdlib_files"]
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".c", ".h", ".js", ".tex", ""}
@@ -88,6 +97,20 @@ def stdlib_files() -> list[Path]:
     return sorted(out)
 
 
+def corpus_files(data: str | None) -> tuple[list[Path], Path]:
+    """The inputs of ``--data`` (None: the standard library) in reading order, and the folder
+    their fingerprint names them relative to. Files that are not regular (FIFOs, sockets,
+    devices) are skipped with a warning counting them."""
+    if data is None:
+        return stdlib_files(), Path(sysconfig.get_paths()["stdlib"])
+    special: list[Path] = []
+    files = input_files(data, _TEXT_SUFFIXES, special)
+    if special and os.environ.get("RANK", "0") == "0":  # said once per job
+        print(f"moe train: warning: --data {data}: skipped {len(special)} files that are not regular files "
+              "(FIFOs, sockets, devices)", file=sys.stderr)  # fmt: skip
+    return files, Path(data) if Path(data).is_dir() else Path(data).parent
+
+
 def _is_text(raw: bytes) -> bool:
     """Text unless its first 64 KiB hold a NUL byte, which text in any 8-bit encoding never
     has and images, archives and executables almost always do (text that is not UTF-8 is still
@@ -104,6 +127,7 @@ class Corpus:
     val: np.ndarray  # (N_val,)
     source: str  # where the text came from, for config.json
     num_files: int
+    fingerprint: dict  # {relative path: "size sha1-prefix"}: see `moe.train.fingerprint`
 
     def batch(self, step: int, seed: int, batch: int, seq_len: int) -> tuple[Tensor, Tensor]:
         """The global batch of ``step``: inputs and next-token targets, both (B, S) int64."""
@@ -134,13 +158,15 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
     out as the fixed validation split. A shard folder (``moe data tokenize``) is memory-mapped;
     text, ``.jsonl``, ``.parquet`` and ``datasets`` inputs are tokenized at start (documents joined
     by the end-of-text token when there is one), up to `RAW_LIMIT` bytes."""
+    prints: dict[str, str] = {}
     if data is not None and is_shard_folder(data):
         tokens, num_files = _shard_tokens(data, tokenizer), len(read_index(data)["shards"])
+        prints = shard_fingerprint(data)
     else:
-        files = stdlib_files() if data is None else input_files(data, _TEXT_SUFFIXES)
+        files, root = corpus_files(data)
         if not files:
             raise ValueError(f"--data {data}: no text files found")
-        tokens, num_files = _tokenize(files, data, tokenizer, text_key), len(files)
+        tokens, num_files = _tokenize(files, root, data, tokenizer, text_key, prints), len(files)
     n_val = max(int(len(tokens) * val_fraction), 8 * (seq_len + 1))
     if len(tokens) - n_val < 4 * (seq_len + 1):
         raise ValueError(
@@ -148,7 +174,7 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
             f"(need at least {n_val + 4 * (seq_len + 1)})"
         )
     source = "python-stdlib:" + sysconfig.get_paths()["stdlib"] if data is None else str(Path(data).resolve())
-    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=num_files)
+    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=num_files, fingerprint=prints)
 
 
 def _shard_tokens(folder: str, tokenizer) -> TokenStream:
@@ -161,7 +187,8 @@ def _shard_tokens(folder: str, tokenizer) -> TokenStream:
     return TokenStream.open(folder)
 
 
-def _tokenize(files: list[Path], data: str | None, tokenizer, text_key: str) -> np.ndarray:
+def _tokenize(files: list[Path], root: Path, data: str | None, tokenizer, text_key: str, prints: dict) -> np.ndarray:
+    """The token stream of ``files``; fills ``prints`` with their fingerprint as they are read."""
     size = sum(f.stat().st_size for f in files if f.is_file())
     if size > RAW_LIMIT:
         raise ValueError(
@@ -175,6 +202,7 @@ def _tokenize(files: list[Path], data: str | None, tokenizer, text_key: str) -> 
     missing: list[Path] = []
     for f in files:
         if f.suffix.lower() in RECORD_SUFFIXES or f.is_dir():  # documents of a record file or dataset
+            prints.update(entries_of(f, root))
             for doc in documents(f, text_key):
                 ids += [np.asarray(tokenizer.encode(doc), dtype=np.int32), *tail]
             continue
@@ -183,6 +211,7 @@ def _tokenize(files: list[Path], data: str | None, tokenizer, text_key: str) -> 
         except FileNotFoundError:  # a broken link, or a file removed since the folder was listed
             missing.append(f)
             continue
+        prints[f.relative_to(root).as_posix()] = entry(raw)
         if not _is_text(raw):  # an image or archive among the text: not something to train on
             binary.append(f)
             continue

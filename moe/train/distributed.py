@@ -21,6 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from .ranks import record_rank
+from .runlock import HELD_ENV, RunFolderError, acquire
+
 __all__ = ["PP_SCHEDULES", "Layout", "StageView", "clip_grad_norm", "parallelize", "setup"]
 
 # the command's names for the pipeline schedules -> moe.parallel.pipeline's
@@ -102,9 +105,27 @@ def setup(cfg) -> tuple[torch.device, Layout | None]:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+    record_rank()
+    if os.environ.get(HELD_ENV) is None:  # plain torchrun: rank 0 locks the run folder for the job
+        _lock_on_rank0(cfg)
     dist.barrier()  # every rank has checked its arguments before any writes the run folder
     return device, None
+
+
+def _lock_on_rank0(cfg) -> None:
+    """Rank 0 takes the run folder's lock; every rank raises `RunFolderError` when it could not."""
+    from pathlib import Path
+
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            acquire(Path(cfg.out), fresh=not cfg.resume)
+        except RunFolderError as err:
+            outcome[0] = str(err)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RunFolderError(outcome[0])
 
 
 def parallelize(model: nn.Module, cfg, device: torch.device) -> tuple[nn.Module, Layout]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -33,7 +34,9 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, load_hf_model, model_config, run_tokenizer
 from .data import load_corpus, load_tokenizer
 from .distributed import clip_grad_norm, parallelize, setup
+from .fingerprint import data_changes
 from .metrics import LoadCounter, MetricsLog, moe_layer_keys, plot_run
+from .ranks import LAUNCHER_ENV, collective_failure, stop_message
 
 __all__ = ["Trainer", "lr_lambda", "train"]
 
@@ -55,17 +58,21 @@ class _Stop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        # under the --nproc launcher a later signal is its agent's, sent once another rank has
+        # ended: this rank still finishes the step, the checkpoint and its exit status
+        self._keep = os.environ.get(LAUNCHER_ENV) is not None
         self._old = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        signal.signal(signum, self._old[signum])  # a second signal acts as usual
+        self.signum = self.signum or signum
+        if not self._keep:
+            signal.signal(signum, self._old[signum])  # a second signal acts as usual
 
     def restore(self) -> None:
         for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self._keep else handler)
 
 
 class Trainer:
@@ -185,11 +192,19 @@ class Trainer:
 
     def write_config(self) -> None:
         c = self.corpus
+        saved = json.loads((self.run_dir / "config.json").read_text()) if self.cfg.resume else {}
         info = {
             "train": self.cfg.to_dict(),
             "model": asdict(self.model_config),
             "tokenizer": getattr(self.tokenizer, "name", "bytes"),
-            "data": {"source": c.source, "files": c.num_files, "train_tokens": len(c.train), "val_tokens": len(c.val)},
+            "data": {
+                "source": c.source,
+                "files": c.num_files,
+                "train_tokens": len(c.train),
+                "val_tokens": len(c.val),
+                "fingerprint": c.fingerprint,
+            },
+            "data_changes": data_changes(saved, c, self.step, self.argv),  # resumes on other data
             "params": self.model_config.num_params(),
             "active_params": self.model_config.num_active_params(),
             "command": self.argv,
@@ -253,8 +268,7 @@ class Trainer:
             return 128 + stop.signum if stop.signum is not None else 0
         resume_hint = f"moe train --out {self.run_dir} --resume"
         if stop.signum is not None:
-            name = signal.Signals(stop.signum).name
-            print(f"{name}: stopped after step {self.step}, checkpoint {path}; resume with: {resume_hint}")
+            print(stop_message(stop.signum, self.step, path, self.run_dir))
             return 128 + stop.signum
         if self.step < cfg.steps:
             print(f"stopped at step {self.step} of {cfg.steps} (--stop-at), checkpoint {path}")
@@ -277,10 +291,16 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
     try:
         return Trainer(cfg, run_dir, argv).run()
+    except RuntimeError as err:  # a collective that timed out, or whose peer ended: one line, exit 1
+        line = collective_failure(err, cfg.collective_timeout) if dist.is_initialized() else None
+        if line is None:
+            raise
+        print(f"moe train: {line}", file=sys.stderr)
+        return 1
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()

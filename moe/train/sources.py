@@ -30,10 +30,11 @@ def is_dataset_folder(path: str | os.PathLike) -> bool:
     return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
 
 
-def input_files(path: str | os.PathLike, text_suffixes: set[str]) -> list[Path]:
+def input_files(path: str | os.PathLike, text_suffixes: set[str], special: list | None = None) -> list[Path]:
     """The inputs under ``path``, sorted: text files with one of ``text_suffixes``, record files
     (`RECORD_SUFFIXES`) and ``datasets`` folders (each one input); hidden folders are skipped,
-    and so is anything that is not a regular file (a FIFO would block the reader)."""
+    and so is anything that is not a regular file (a FIFO would block the reader), which is
+    added to ``special``. A broken link is kept, for the reader to count."""
     p = Path(path)
     if p.is_file() or is_dataset_folder(p):
         return [p]
@@ -44,9 +45,12 @@ def input_files(path: str | os.PathLike, text_suffixes: set[str]) -> list[Path]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not is_dataset_folder(here / d))
         for name in filenames:
             f = here / name
-            # a broken link is kept, for the reader to count; a FIFO or device file is not
-            if f.suffix.lower() in text_suffixes | RECORD_SUFFIXES and (f.is_file() or not f.exists()):
+            if f.suffix.lower() not in text_suffixes | RECORD_SUFFIXES:
+                continue
+            if f.is_file() or not f.exists():
                 out.append(f)
+            elif special is not None:
+                special.append(f)
     return sorted(out)
 
 
