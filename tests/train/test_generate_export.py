@@ -39,12 +39,20 @@ def mixtral_run(tmp_path_factory):
     return run
 
 
+def _ids(proc) -> list[str]:
+    return [line for line in proc.stdout.splitlines() if line.startswith("ids:")]
+
+
 def test_generate_command_cache_equals_no_cache(mixtral_run):
     args = ["generate", "--run", mixtral_run, "--prompt", "def f(x):", "--max-new-tokens", 12, "--print-ids"]
-    cached, plain = moe(*args), moe(*args, "--no-cache")
-    ids = [line for line in cached.stdout.splitlines() if line.startswith("ids:")]
-    assert ids and ids == [line for line in plain.stdout.splitlines() if line.startswith("ids:")]
+    greedy = [*args, "--temperature", 0]
+    cached, plain = moe(*greedy), moe(*greedy, "--no-cache")
+    ids = _ids(cached)
+    assert ids and ids == _ids(plain)
     assert len(ids[0].split()) == 13 and "tokens/s" in cached.stderr
+    # by default it samples (temperature 0.8, top-p 0.95): the seed decides, and the same seed repeats
+    sampled, again, other = moe(*args), moe(*args), moe(*args, "--seed", 1)
+    assert _ids(sampled) == _ids(again) and _ids(sampled) != _ids(other) and len(_ids(other)[0].split()) == 13
 
 
 def test_export_mixtral_loads_in_transformers_with_equal_logits(mixtral_run, tmp_path):
