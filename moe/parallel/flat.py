@@ -128,7 +128,7 @@ class FlatDispatcher(Dispatcher):
         return all_gather_rows(x_TD, self._sizes, self.etp_group)
 
     def sort_key(self, expert_idx: Tensor) -> Tensor:
-        """The key the layer sorts its slots by: the order `dispatch` sends rows in."""
+        """The key the slots are sorted by: the order `dispatch` sends rows in."""
         return send_key(expert_idx, self.num_experts, self.ep_size, self.strategy)
 
     def _static(self, router) -> bool:
@@ -150,7 +150,7 @@ class FlatDispatcher(Dispatcher):
         return unpermute(ys_MD, info, gates_TK, backend=cfg.backend)
 
     def known_rows(self, layer: MoE, routing) -> int | None:
-        """The number of rows the layer sends when it is known without reading the routing
+        """The number of rows this rank sends when it is known without reading the routing
         (the static path: BASE keeps every slot), else None."""
         return routing.expert_idx.numel() if self._static(layer.router) else None
 
