@@ -1,10 +1,11 @@
-"""The MoE layer: route -> permute -> grouped experts -> unpermute (+ shared experts).
+"""The MoE layer: route -> dispatch (permute -> grouped experts -> unpermute) -> combine (+ shared experts).
 
-Legend: T tokens, D model dim, K slots per token, E experts, M kept slots.
+Legend: T tokens, D model dim, K slots per token, E experts.
 
-The layer holds no process group: `moe.parallel.parallelize_moe` sets ``layer.parallel`` from
-outside, and the forward calls its steps (gather the tokens to route, order the rows for
-sending, run the experts, scatter the outputs back); without it the layer runs on one device.
+The layer holds no process group: the steps between routing and combining belong to its
+dispatcher (`moe.dispatchers`), local or fused on one device; `moe.parallel.parallelize_moe`
+swaps in an expert-parallel one from outside, which also gathers the tokens to route and
+scatters the outputs back.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
+from . import dispatchers
 from .config import MoEConfig
 from .experts import GroupedExperts, SharedExperts
-from .kernels import permute, sort_slots, unpermute, workspace
+from .kernels import workspace
 from .routing import RoutingResult, build_router
 from .routing import release_work_buffers as _release_routing_buffers
 from .routing.common import in_backward
-from .routing.expert_choice import expert_choice_capacity
 
 __all__ = ["MoE", "aux_loss", "release_work_buffers"]
 
@@ -59,7 +60,8 @@ class MoE(nn.Module):
         self.last_routing: RoutingResult | None = None
         self._pending_loss: Tensor | None = None
         self._rerun_loss: Tensor | None = None  # losses of the re-runs in the current backward
-        self.parallel = None  # set by moe.parallel.parallelize_moe
+        # no parameters or buffers: the state_dict is the same whichever dispatcher is set
+        self.dispatcher: dispatchers.Dispatcher = dispatchers.for_config(config)
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter and buffer (e.g. after building on the meta device)."""
@@ -67,35 +69,28 @@ class MoE(nn.Module):
             if module is not None:
                 module.reset_parameters()
 
+    @property
+    def parallel(self) -> dispatchers.Dispatcher | None:
+        """The expert-parallel dispatcher `moe.parallel.parallelize_moe` set, or None on one device."""
+        return None if self.dispatcher.local else self.dispatcher
+
     def forward(self, x: Tensor, *, seq_len: int | None = None) -> Tensor:
-        cfg = self.config
-        par = self.parallel
-        if par is not None:  # before any collective: a bad x on one rank then fails every rank alike
-            par.check_input(self, x, seq_len)
+        cfg, dispatcher = self.config, self.dispatcher
+        dispatcher.check_input(self, x, seq_len)  # before any collective: a bad x on one rank fails every rank
         if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != cfg.dim:
             raise ValueError(f"x must have shape (..., D={cfg.dim}), got {_shape_of(x)}")
         x_TD = x.reshape(-1, cfg.dim)
-        x_in = par.gather_tokens(x_TD) if par is not None else x_TD  # the tokens routed together
+        x_in = dispatcher.gather_tokens(x_TD)  # the tokens routed together
         try:
             res = self.router(x_in, seq_len=seq_len)  # raises on NaN / Inf input
         except ValueError as err:
-            if par is None:
-                raise
-            par.fail(self, err)  # the other ranks raise too instead of waiting for this one
-        if cfg.fused and par is None:  # no sorted copy of the tokens or of the outputs
-            gates = res.weights.to(x_in.dtype)
-            info = sort_slots(res.expert_idx, num_experts=cfg.num_experts, num_rows=self._known_rows(res))
-            y_TD = self.experts.forward_fused(x_in, info, gates)
-        else:
-            keys = res.expert_idx if par is None else par.sort_key(res.expert_idx)  # the order rows are sent in
-            rows = par.known_rows(self, res) if par is not None else self._known_rows(res)
-            xs, info = permute(x_in, keys, num_experts=cfg.num_experts, backend=cfg.backend, num_rows=rows)
-            ys = par.run_experts(self, xs, info.counts, res) if par is not None else self.experts(xs, info.counts)
-            gates = res.weights.to(ys.dtype)
-            y_TD = unpermute(ys, info, gates, backend=cfg.backend)
+            dispatcher.fail(self, err)  # raises; any other ranks raise too instead of waiting for this one
+        gates = res.weights.to(x_in.dtype)
+        y_TD = dispatcher(self, x_in, res, gates)  # the experts' gate-weighted outputs of the routed tokens
+        y_TD, gates = dispatcher.scatter_tokens(y_TD), dispatcher.local_rows(gates)
         loss = res.aux_loss + res.z_loss
-        if par is not None:
-            y_TD, gates, loss = par.scatter_tokens(y_TD), par.local_rows(gates), loss * par.loss_scale
+        if dispatcher.loss_scale != 1.0:
+            loss = loss * dispatcher.loss_scale
         if cfg.combine == "sigmoid_residual":
             y_TD = y_TD + (1 - gates.sum(dim=1, keepdim=True)) * x_TD
         if self.shared is not None:
@@ -126,19 +121,6 @@ class MoE(nn.Module):
 
     def _drop_rerun_loss(self) -> None:
         self._rerun_loss = None
-
-    def _known_rows(self, res: RoutingResult) -> int | None:
-        """The number of kept slots when the router fixes it: T*K when it keeps every slot
-        (dropless top-k, BASE, Sinkhorn), E*C for expert choice (each expert takes exactly C
-        tokens); else None. Knowing it saves permute its host reads, which a compiled graph
-        cannot make."""
-        cfg = self.config
-        if cfg.router in ("base", "sinkhorn") or (cfg.router == "topk" and cfg.capacity_factor is None):
-            return res.expert_idx.numel()
-        if cfg.router == "expert_choice":
-            capacity = expert_choice_capacity(res.num_tokens, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
-            return cfg.num_experts * capacity
-        return None
 
     def __getstate__(self) -> dict:
         # copy.deepcopy (EMA and eval copies) and pickling: the pending loss belongs to the

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..config import MoEConfig
 from ..layer import MoE, aux_loss
-from ..parallel import ExpertParallel, GroupBalance
+from ..parallel import FlatDispatcher, GroupBalance
 from ..parallel.agreement import exchange_sizes
 from ..routing import BaseRouter, TopKRouter
 
@@ -223,7 +223,7 @@ def _attach_expert_parallel(layer: MoE, ep_mesh) -> None:
         if w is not None:
             setattr(ex, name, nn.Parameter(distribute_tensor(w.detach(), ep_mesh, [Shard(0)]), w.requires_grad))
     dim_name = ep_mesh.mesh_dim_names[0]
-    layer.parallel = ExpertParallel(ep_mesh, layer.config.num_experts, ep=dim_name)
+    layer.dispatcher = FlatDispatcher(ep_mesh, layer.config.num_experts, ep=dim_name)
     if isinstance(layer.router, TopKRouter):
         group = ep_mesh.get_group()
         layer.router.sum_over_ranks = lambda t: _summed(t, group)  # the bias moves alike everywhere

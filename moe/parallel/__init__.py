@@ -1,4 +1,5 @@
-"""Parallelism over torch.distributed: collectives, the expert dispatcher, `parallelize_moe`, and
+"""Parallelism over torch.distributed: collectives, the expert-parallel dispatcher (`FlatDispatcher`,
+which `parallelize_moe` sets as each layer's ``dispatcher``), and
 the Llama layouts (`parallelize_llama`, `pipeline_llama`) on one named DeviceMesh.
 
 Parallelism is applied from outside the layer; nothing here holds a process-group global.
@@ -6,13 +7,16 @@ Parallelism is applied from outside the layer; nothing here holds a process-grou
 
 from .all_to_all import all_gather_rows, all_to_all, reduce_scatter_rows
 from .dispatch import DispatchInfo, PeerFailedError, combine, dispatch
-from .expert_parallel import ExpertParallel, GroupBalance, parallelize_moe, reduce_gradients
+from .expert_parallel import ExpertParallel, parallelize_moe, reduce_gradients
+from .flat import FlatDispatcher
+from .global_base import GroupBalance
 from .layout import LlamaMesh
 from .llama import LlamaParallel, llama_loss, loss_context, parallelize_llama, router_loss
 
 __all__ = [
     "DispatchInfo",
     "ExpertParallel",
+    "FlatDispatcher",
     "GroupBalance",
     "LlamaMesh",
     "LlamaParallel",

@@ -54,7 +54,7 @@ class PeerFailedError(ValueError):
 
 def raise_if_peers_failed(sent: list[int], group, what: str) -> None:
     """Raise PeerFailedError naming the ranks of ``group`` whose number in ``sent`` (one per
-    rank) is negative: a rank that could not go on sends -1 (`ExpertParallel.fail`)."""
+    rank) is negative: a rank that could not go on sends -1 (`FlatDispatcher.fail`)."""
     failed = [dist.get_global_rank(group, j) for j, n in enumerate(sent) if n < 0]
     if failed:
         raise PeerFailedError(f"expert-parallel ranks {failed} failed before the {what} (see their errors)")

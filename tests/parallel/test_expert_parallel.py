@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from moe import MoE, MoEConfig, aux_loss
 from moe.kernels import permute
-from moe.parallel import parallelize_moe, reduce_gradients
+from moe.parallel import FlatDispatcher, parallelize_moe, reduce_gradients
 from moe.routing import expert_capacities
 
 from ..host_reads import HostReads
@@ -63,6 +63,8 @@ def check_layer(case: str, mesh, tokens: list[int], etp: str | None = None, **op
     layer = build(case, extras="lowest" if options.get("static_splits") and case.startswith("base") else None)
     ref = copy.deepcopy(layer)
     parallelize_moe(layer, mesh, etp=etp, **options)
+    assert isinstance(layer.dispatcher, FlatDispatcher) and layer.parallel is layer.dispatcher
+    assert list(layer.state_dict()) == list(ref.state_dict())  # the dispatcher holds no state
     group = dist.get_process_group_ranks(mesh.get_group(etp)) if etp else [rank]
     blocks = [tokens_of(case, r, tokens[r]) for r in group]
     start = sum(tokens[r] for r in group[: group.index(rank)])
