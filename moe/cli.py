@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from pathlib import Path
@@ -89,6 +88,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--keep", type=_positive("--keep"), default=d.keep, help="checkpoints kept")
     r.add_argument("--stop-at", type=_positive("--stop-at"), default=None,
                    help="end after this step (checkpoint, exit 0), keeping the schedule of --steps")  # fmt: skip
+    r.add_argument("--max-bad-steps", type=_positive("--max-bad-steps"), default=d.max_bad_steps,
+                   help="NaN/inf losses or grad norms in a row (each step skipped) that end the run")  # fmt: skip
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
     lay = p.add_argument_group("layout (world size = product of the dimensions)")
     lay.add_argument("--nproc", type=_positive("--nproc"), default=d.nproc, help="local processes (torchrun)")
@@ -113,11 +114,7 @@ def _check_train(args, p) -> None:
         args.out = str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out = Path(args.out)
     if args.resume:
-        if not (out / "config.json").exists():
-            raise UsageError(f"--resume: {out} is not a run folder (no config.json)")
-        if not (out / "checkpoints" / "latest").exists():
-            raise UsageError(f"--resume: {out} has no checkpoint yet (checkpoints/latest is missing)")
-        saved = json.loads((out / "config.json").read_text())["train"]
+        saved = _run_config(out, "--resume")["train"]
         new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
             if key in ("out", "resume", "stop_at") or not hasattr(args, key):
@@ -167,6 +164,35 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--experts {experts} must be divisible by --ep {args.ep}")
     _check_pipeline(args, args.n_layers or PRESETS[args.preset].n_layers, args.batch // dp)
     args.dp_shard = dp_shard
+    if not launched:  # (the launcher checked for its ranks, which may have begun writing)
+        _check_writable(out)
+
+
+def _run_config(run: Path, flag: str) -> dict:
+    """A run's config.json (or its copy in a checkpoint), checked to have a checkpoint to load."""
+    from .train.manifest import CheckpointError, checkpoint_folders, read_run_config
+
+    try:
+        info = read_run_config(run)
+    except CheckpointError as err:
+        raise UsageError(f"{flag}: {err}") from None
+    if not checkpoint_folders(run):
+        raise UsageError(f"{flag}: {run} has no checkpoint yet (no checkpoints/step_*)")
+    return info
+
+
+def _check_writable(out: Path) -> None:
+    """--out can be created and written (a read-only or full disk ends here, before any work)."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out) as f:
+            f.write(b"0")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write there ({err.strerror})") from None
 
 
 def _check_pipeline(args, n_layers: int, rows: int) -> None:
@@ -259,7 +285,9 @@ def _check_run(run: str) -> Path:
     path = Path(run)
     if not (path / "config.json").exists():
         raise UsageError(f"--run {run}: not a run folder (no config.json)")
-    if not (path / "checkpoints" / "latest").exists():
+    from .train.manifest import checkpoint_folders
+
+    if not checkpoint_folders(path):
         raise UsageError(f"--run {run}: the run has no checkpoint yet")
     return path
 
@@ -269,8 +297,12 @@ def _generate(args, p, argv) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
     from .train.generate import generate_from_run
+    from .train.manifest import CheckpointError
 
-    return generate_from_run(run, args)
+    try:
+        return generate_from_run(run, args)
+    except CheckpointError as err:  # no intact checkpoint or config left: the message says which and why
+        raise UsageError(f"--run {args.run}: {err}") from None
 
 
 def _export_parser(sub) -> argparse.ArgumentParser:

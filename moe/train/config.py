@@ -53,6 +53,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep: int | None = 2
     stop_at: int | None = None
+    max_bad_steps: int = 3  # consecutive steps with a non-finite loss or gradient norm that end the run
     resume: bool = False
     plot_every: int | None = None  # None: at every evaluation
     # layout (world size = product; see moe.parallel.parallelize_llama / pipeline_llama)
