@@ -55,7 +55,7 @@ from .manifest import (
     write_manifest,
 )
 
-__all__ = ["NonFiniteError", "load_checkpoint", "load_model_weights", "load_newest", "save_checkpoint"]
+__all__ = ["NonFiniteError", "all_finite", "load_checkpoint", "load_model_weights", "load_newest", "save_checkpoint"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -107,10 +107,15 @@ def _tensors(tree):
         yield tree.to_local() if isinstance(tree, DTensor) else tree
 
 
-def _all_finite(state: dict) -> bool:
-    """Every floating tensor of this rank's part of ``state`` is finite."""
-    bad = [t for t in _tensors(state) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    return not bad
+def all_finite(tensors) -> bool:
+    """Every floating tensor of ``tensors`` (a state dict, or an iterable such as parameters;
+    this rank's shards) is finite; one host read."""
+    tree = tensors if isinstance(tensors, dict) else dict(enumerate(tensors))
+    floats = [t for t in _tensors(tree) if t.is_floating_point() and t.numel()]
+    if not floats:
+        return True
+    peaks = [torch.linalg.vector_norm(t.detach(), ord=float("inf")).float() for t in floats]  # NaN/inf if any is
+    return bool(torch.stack(peaks).isfinite().all())
 
 
 def _nbytes(state: dict) -> int:
@@ -160,7 +165,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, extra: dict, keep: int
         "optim": get_optimizer_state_dict(model, optimizer, options=_FLAT),
         "extra": json.dumps(extra),  # one leaf: DCP only loads keys the caller already has
     }
-    if _any_rank(not _all_finite(state)):
+    if _any_rank(not all_finite(state)):
         raise NonFiniteError(f"the weights are not finite after step {step}: no checkpoint written")
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)

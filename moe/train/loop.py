@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..layer import aux_loss
 from ..models.llama import Llama
 from ..parallel import loss_context, router_loss
-from .checkpoint import NonFiniteError, load_checkpoint, load_newest, save_checkpoint
+from .checkpoint import NonFiniteError, all_finite, load_checkpoint, load_newest, save_checkpoint
 from .config import TrainConfig, model_config
 from .data import load_corpus, load_tokenizer
 from .distributed import clip_grad_norm, parallelize, setup
@@ -174,6 +174,8 @@ class Trainer:
             self.bad_in_a_row = 0
         self.scheduler.step()
         self.step += 1
+        if not bad and self._agree(not all_finite(self.model.parameters())):  # finite gradients, too large a step
+            raise NonFiniteError(f"the weights are not finite after the update of step {self.step}")
         dt = time.perf_counter() - t0
         return {
             "step": self.step,

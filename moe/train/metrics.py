@@ -3,7 +3,8 @@
 Every line of ``metrics.jsonl`` is one optimiser step::
 
     {"step": 12, "loss": 3.1, "lm_loss": 3.08, "aux_loss": 0.02, "val_loss": 3.2 (eval steps only),
-     "tokens_per_s": 5400.0, "lr": 0.0003, "grad_norm": 0.9,
+     "tokens_per_s": 5400.0, "lr": 0.0003, "grad_norm": 0.9, "skipped_steps": 0,
+     "skipped": true (a step skipped for a NaN/inf loss or gradient norm only),
      "moe": {"1": {"max_load": 1.3, "cv": 0.2, "dropped": 0.0, "load": [0.3, 0.2, ...]}, ...}}
 
 The line of step 0 holds only ``val_loss``, the validation loss before training.

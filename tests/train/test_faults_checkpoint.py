@@ -84,6 +84,31 @@ def test_divergence_skips_steps_then_stops_and_no_checkpoint_holds_nan(tmp_path,
     assert str(folders[-1]) in last
 
 
+def test_an_update_that_overflows_the_weights_stops_the_run_before_any_checkpoint_of_them(
+    tmp_path, data, monkeypatch, capsys
+):
+    """The loss and gradient norm of step 3 are finite, its update is not: the run ends there."""
+    real, calls = torch.optim.AdamW.step, []
+
+    def overflows_at_3(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflows_at_3)
+    run = tmp_path / "run"
+    args = ["train", *map(str, TINY), "--data", str(data), "--steps", "4", "--checkpoint-every", "2", "--keep", "5"]
+    assert cli.main([*args, "--out", str(run)]) == 1
+    last = _last_line(capsys.readouterr().err)
+    newest = run / "checkpoints" / "step_000002"
+    assert last == f"moe train: the weights are not finite after the update of step 3; newest checkpoint: {newest}"
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000002"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
 def test_a_checkpoint_of_nan_weights_is_never_written(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
