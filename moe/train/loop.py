@@ -223,6 +223,8 @@ class Trainer:
         try:
             plot_run(self.run_dir)
         except Exception as err:  # noqa: BLE001 - the plots are a view of metrics.jsonl, which is kept
+            for tmp in self.run_dir.glob("*.png.tmp.png"):  # what a failed write left
+                tmp.unlink(missing_ok=True)
             if not self._plot_failed:
                 self._plot_failed = True
                 warn(f"the plots in {self.run_dir} cannot be drawn ({type(err).__name__}: {err}); training goes on")

@@ -139,8 +139,9 @@ def test_corrupt_tensor_data_is_detected_and_resume_falls_back(trained, tmp_path
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncated", "zeroed", "garbled", "no_metadata", "no_rng", "no_manifest", "manifest_garbled", "folder_removed"],
-)
+    ["truncated", "zeroed", "garbled", "no_metadata", "no_rng", "no_manifest", "manifest_garbled", "folder_removed",
+     "latest_empty", "latest_names_nothing"],
+)  # fmt: skip
 def test_each_kind_of_damage_is_named_and_the_older_checkpoint_chosen(trained, tmp_path, damage):
     run = _copy(trained, tmp_path)
     root = run / "checkpoints"
@@ -160,10 +161,14 @@ def test_each_kind_of_damage_is_named_and_the_older_checkpoint_chosen(trained, t
         (step4 / MANIFEST).unlink()
     elif damage == "manifest_garbled":
         (step4 / MANIFEST).write_text("{not json")
-    else:
+    elif damage == "folder_removed":
         shutil.rmtree(step4)
+    elif damage == "latest_empty":
+        (root / "latest").write_text("")
+    else:
+        (root / "latest").write_text("step_000010\n")
     path, notes = ckpt.choose_checkpoint(run)
-    assert path == root / "step_000002"
+    assert path == root / ("step_000004" if damage.startswith("latest") else "step_000002")
     expected = {
         "truncated": "__0_0.distcp has 1000 bytes",
         "zeroed": "__0_0.distcp does not match its checksum",
@@ -173,6 +178,8 @@ def test_each_kind_of_damage_is_named_and_the_older_checkpoint_chosen(trained, t
         "no_manifest": "no manifest.json",
         "manifest_garbled": "manifest.json is damaged",
         "folder_removed": "checkpoints/latest names step_000004, which does not exist",
+        "latest_empty": "checkpoints/latest is empty",
+        "latest_names_nothing": "checkpoints/latest names step_000010, which does not exist",
     }[damage]
     assert len(notes) == 1 and expected in notes[0], notes
 
@@ -194,7 +201,7 @@ def test_many_faults_at_once_resume_from_what_is_left(trained, tmp_path):
     err = proc.stderr
     assert "config.json is damaged" in err and "using the copy in" in err, err
     assert "checkpoint step_000004 skipped: .metadata is missing" in err
-    assert err.count("the plots in") == 1 and "training goes on" in err
+    assert err.count("the plots in") == 1 and "training goes on" in err and not list(run.glob("*.tmp.png"))
     assert [r["step"] for r in _metrics(run)] == list(range(7))
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 6
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000006"
