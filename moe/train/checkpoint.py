@@ -50,6 +50,7 @@ from .manifest import (
     checkpoint_folders,
     choose_checkpoint,
     disk_full_message,
+    file_entries,
     point_latest,
     warn,
     write_manifest,
@@ -173,25 +174,34 @@ def save_checkpoint(run_dir, step: int, model, optimizer, extra: dict, keep: int
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
 
+    mine: dict[str, dict] = {}  # this rank's files, checksummed here rather than all by rank 0
+
     def write() -> None:
         dcp.save(state, checkpoint_id=str(tmp))
         torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        own = [p for p in tmp.iterdir() if p.name.startswith(f"__{_rank()}_") or p.name == f"rng_rank{_rank()}.pt"]
+        mine.update(file_entries(own))
 
     err = _attempt(write)
     if _any_rank(err is not None):
         raise _write_failed(err, root, tmp, _nbytes(state))
-    err = _attempt(lambda: _publish(run_dir, tmp, final, keep)) if _rank() == 0 else None
+    known = [mine]
+    if dist.is_initialized():
+        known = [None] * dist.get_world_size()
+        dist.all_gather_object(known, mine)
+    known = {name: entry for entries in known for name, entry in entries.items()}
+    err = _attempt(lambda: _publish(run_dir, tmp, final, keep, known)) if _rank() == 0 else None
     if _any_rank(err is not None):
         raise _write_failed(err, root, tmp, _nbytes(state))
     return final
 
 
-def _publish(run_dir: Path, tmp: Path, final: Path, keep: int | None) -> None:
+def _publish(run_dir: Path, tmp: Path, final: Path, keep: int | None, known: dict) -> None:
     """Rank 0, once every rank has written: checksum, rename into place, point ``latest`` at it,
     and only then remove what is older than the newest ``keep``."""
     if (run_dir / "config.json").is_file():  # a copy the run's config can be recovered from
         shutil.copyfile(run_dir / "config.json", tmp / "config.json")
-    write_manifest(tmp)
+    write_manifest(tmp, known)
     root = final.parent
     old = root / f".old-{final.name}"
     if final.exists():  # the same step again, after a fallback past a damaged one: swap, never delete first

@@ -26,6 +26,7 @@ __all__ = [
     "checkpoint_folders",
     "choose_checkpoint",
     "disk_full_message",
+    "file_entries",
     "point_latest",
     "read_run_config",
     "verify",
@@ -68,13 +69,20 @@ def _write_durably(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(folder: Path) -> None:
-    """Record the size and checksum of every file in ``folder`` (all ranks have written theirs)."""
+def file_entries(paths) -> dict[str, dict]:
+    """The manifest entries (size, CRC-32) of ``paths``."""
+    return {p.name: {"bytes": p.stat().st_size, "crc32": _crc(p)} for p in paths}
+
+
+def write_manifest(folder: Path, known: dict[str, dict] | None = None) -> None:
+    """Record the size and checksum of every file in ``folder`` (all ranks have written theirs);
+    ``known``: entries the ranks computed for their own files (checksummed in parallel)."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"))
     if not any(p.name == ".metadata" for p in files):
         raise CheckpointError(f"{folder}: DCP wrote no .metadata")
-    entries = {p.name: {"bytes": p.stat().st_size, "crc32": _crc(p)} for p in files}
-    _write_durably(folder / MANIFEST, json.dumps({"files": entries}, indent=1) + "\n")
+    known = known or {}
+    entries = {**file_entries(p for p in files if p.name not in known), **known}
+    _write_durably(folder / MANIFEST, json.dumps({"files": dict(sorted(entries.items()))}, indent=1) + "\n")
 
 
 def verify(folder: Path) -> str | None:
