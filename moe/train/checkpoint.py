@@ -52,6 +52,7 @@ from .manifest import (
     disk_full_message,
     file_entries,
     point_latest,
+    step_of,
     warn,
     write_manifest,
 )
@@ -209,9 +210,11 @@ def _publish(run_dir: Path, tmp: Path, final: Path, keep: int | None, known: dic
     os.replace(tmp, final)
     point_latest(root, final.name)
     shutil.rmtree(old, ignore_errors=True)
-    if keep is not None:
-        for older in checkpoint_folders(run_dir)[keep:]:
-            shutil.rmtree(older, ignore_errors=True)
+    if keep is not None:  # of the older ones; a newer one is a damaged one passed over on resume, kept for
+        # a look until this run reaches its step and replaces it (it is never chosen: it does not verify)
+        older = [p for p in checkpoint_folders(run_dir) if step_of(p) < step_of(final)]
+        for p in older[keep - 1 :]:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def load_checkpoint(path, model, optimizer) -> dict:

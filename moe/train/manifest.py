@@ -29,6 +29,7 @@ __all__ = [
     "file_entries",
     "point_latest",
     "read_run_config",
+    "step_of",
     "verify",
     "warn",
     "write_manifest",
@@ -112,7 +113,8 @@ def verify(folder: Path) -> str | None:
     return None
 
 
-def _step(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step of a checkpoint folder (-1 for another name)."""
     try:
         return int(path.name[len(PREFIX) :])
     except ValueError:
@@ -124,8 +126,8 @@ def checkpoint_folders(run_dir) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.glob(f"{PREFIX}*") if _step(p) >= 0 and p.is_dir()]
-    return sorted(found, key=_step, reverse=True)
+    found = [p for p in root.glob(f"{PREFIX}*") if step_of(p) >= 0 and p.is_dir()]
+    return sorted(found, key=step_of, reverse=True)
 
 
 def _latest_note(run_dir: Path, chosen: Path) -> str | None:

@@ -281,6 +281,21 @@ def test_rewriting_a_step_never_deletes_it_before_its_successor_is_complete(tmp_
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002"]
 
 
+def test_pruning_after_a_fallback_keeps_the_new_checkpoint(tmp_path):
+    """Resumed from step 2 past a damaged step 4, the run's checkpoint of step 3 with --keep 1
+    is kept (the damaged newer one is not counted among the newest) and chosen next time."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in (2, 4):
+        ckpt.save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep=3)
+    root = tmp_path / "checkpoints"
+    _flip(root / "step_000004" / "__0_0.distcp", n=16)
+    ckpt.save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep=1)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]
+    assert ckpt.choose_checkpoint(tmp_path)[0] == root / "step_000003"
+
+
 # -- 5. full disk, read-only folder --------------------------------------------------------------
 
 
