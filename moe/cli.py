@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -101,6 +100,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                    help="end after this step (checkpoint, exit 0), keeping the schedule of --steps")  # fmt: skip
     r.add_argument("--collective-timeout", type=_positive("--collective-timeout"), default=d.collective_timeout,
                    help="seconds a rank waits in a collective before the job ends naming the slow ranks")  # fmt: skip
+    r.add_argument("--max-bad-steps", type=_positive("--max-bad-steps"), default=d.max_bad_steps,
+                   help="NaN/inf losses or grad norms in a row (each step skipped) that end the run")  # fmt: skip
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
     r.add_argument("--force", action="store_true", help="start even when the memory estimate exceeds this machine's")
     lay = p.add_argument_group("layout (world size = product of the dimensions)")
@@ -133,11 +134,7 @@ def _check_train(args, p) -> None:
     if args.data is not None:  # a resumed run reads the same files from any directory
         args.data = str(Path(args.data).resolve())
     if args.resume:
-        if not (out / "config.json").exists():
-            raise UsageError(f"--resume: {out} is not a run folder (no config.json)")
-        if not (out / "checkpoints" / "latest").exists():
-            raise UsageError(f"--resume: {out} has no checkpoint yet (checkpoints/latest is missing)")
-        saved_info = json.loads((out / "config.json").read_text())
+        saved_info = _run_config(out, "--resume")
         saved, saved_model = saved_info["train"], saved_info.get("model")
         new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
@@ -201,6 +198,8 @@ def _check_train(args, p) -> None:
     _check_pipeline(args, n_layers, args.batch // dp)
     args.dp_shard = dp_shard
     _check_model(args, saved_model, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world)
+    if not launched:  # (the launcher checked for its ranks, which may have begun writing)
+        _check_writable(out)
 
 
 def _apply_layout(args) -> int | None:
@@ -294,6 +293,33 @@ def _run_folder(check, *args) -> None:
         check(*args)
     except RunFolderError as err:
         raise UsageError(str(err)) from None
+
+
+def _run_config(run: Path, flag: str) -> dict:
+    """A run's config.json (or its copy in a checkpoint), checked to have a checkpoint to load."""
+    from .train.manifest import CheckpointError, checkpoint_folders, read_run_config
+
+    try:
+        info = read_run_config(run)
+    except CheckpointError as err:
+        raise UsageError(f"{flag}: {err}") from None
+    if not checkpoint_folders(run):
+        raise UsageError(f"{flag}: {run} has no checkpoint yet (no checkpoints/step_*)")
+    return info
+
+
+def _check_writable(out: Path) -> None:
+    """--out can be created and written (a read-only or full disk ends here, before any work)."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out) as f:
+            f.write(b"0")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write there ({err.strerror})") from None
 
 
 def _check_pipeline(args, n_layers: int, rows: int) -> None:
@@ -430,7 +456,9 @@ def _check_run(run: str) -> Path:
     path = Path(run)
     if not (path / "config.json").exists():
         raise UsageError(f"--run {run}: not a run folder (no config.json)")
-    if not (path / "checkpoints" / "latest").exists():
+    from .train.manifest import checkpoint_folders
+
+    if not checkpoint_folders(path):
         raise UsageError(f"--run {run}: the run has no checkpoint yet")
     return path
 
@@ -444,8 +472,12 @@ def _generate(args, p, argv) -> int:
         raise UsageError(f"--prompt is not valid UTF-8 (byte {err.start} of the argument)") from None
     run = _check_run(args.run)
     from .train.generate import generate_from_run
+    from .train.manifest import CheckpointError
 
-    return generate_from_run(run, args)
+    try:
+        return generate_from_run(run, args)
+    except CheckpointError as err:  # no intact checkpoint or config left: the message says which and why
+        raise UsageError(f"--run {args.run}: {err}") from None
 
 
 def _export_parser(sub) -> argparse.ArgumentParser:

@@ -61,6 +61,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep: int | None = 2
     stop_at: int | None = None
+    max_bad_steps: int = 3  # consecutive steps with a non-finite loss or gradient norm that end the run
     resume: bool = False
     plot_every: int | None = None  # None: at every evaluation
     collective_timeout: int = 600  # seconds in one collective before the job ends (init_process_group)

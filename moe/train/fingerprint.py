@@ -68,7 +68,9 @@ def check_resume_data(run_dir: Path, data: str | None, changed_ok: bool) -> None
     """``--resume`` reads the corpus the run was trained on (the fingerprint in its config.json)
     unless ``changed_ok``; a run written before fingerprints is not checked. Raises ValueError
     (one line: what differs)."""
-    saved = json.loads((Path(run_dir) / "config.json").read_text()).get("data", {}).get("fingerprint")
+    from .manifest import read_run_config
+
+    saved = read_run_config(run_dir).get("data", {}).get("fingerprint")  # (a damaged one: its checkpoint copy)
     diff = None if saved is None else fingerprint_diff(saved, fingerprint(data))
     if diff is not None and not changed_ok:
         raise ValueError(

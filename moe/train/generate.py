@@ -11,7 +11,6 @@ choice picks tokens per expert among those routed together, so its cached decode
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,9 +21,10 @@ from torch import Tensor
 
 from ..models.llama import Llama
 from ..models.llama.model import apply_rope
-from .checkpoint import latest_checkpoint, load_model_weights
+from .checkpoint import load_model_weights, load_newest
 from .config import TrainConfig, model_config_from_dict, run_tokenizer
 from .data import load_tokenizer
+from .manifest import read_run_config
 
 __all__ = ["KVCache", "fit_prompt", "forward_cached", "generate", "generate_from_run", "load_run_model"]
 
@@ -133,14 +133,16 @@ def fit_prompt(prompt: list[int], max_new_tokens: int, context: int) -> list[int
 
 
 def load_run_model(run_dir) -> tuple[Llama, dict]:
-    """The model of a run's latest checkpoint in one process (whatever layout wrote it), and its config.json."""
+    """The model of a run's newest intact checkpoint in one process (whatever layout wrote it),
+    and its config.json. Damaged checkpoints, and one pruned by a run still training while it
+    was read, pass to the next newest with a warning; `CheckpointError` when none is left."""
     run_dir = Path(run_dir)
-    info = json.loads((run_dir / "config.json").read_text())
+    info = read_run_config(run_dir)
     with torch.device("meta"):
         model = Llama(model_config_from_dict(info["model"]))
     model.to_empty(device="cpu")
     model.init_weights()  # the rotary table; the weights come from the checkpoint
-    load_model_weights(latest_checkpoint(run_dir), model)
+    load_newest(run_dir, lambda path: load_model_weights(path, model))
     return model.eval(), info
 
 

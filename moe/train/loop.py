@@ -15,12 +15,14 @@ whole model in one process.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,15 +32,20 @@ import torch.nn.functional as F
 from ..layer import aux_loss
 from ..models.llama import Llama
 from ..parallel import loss_context, router_loss
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import NonFiniteError, all_finite, load_checkpoint, load_newest, save_checkpoint
 from .config import TrainConfig, load_hf_model, model_config, run_tokenizer
 from .data import load_corpus, load_tokenizer
 from .distributed import clip_grad_norm, parallelize, setup
 from .fingerprint import data_changes
+from .manifest import DiskFullError, disk_full_message, read_run_config, warn
 from .metrics import LoadCounter, MetricsLog, moe_layer_keys, plot_run
 from .ranks import LAUNCHER_ENV, collective_failure, stop_message
 
 __all__ = ["Trainer", "lr_lambda", "train"]
+
+# a step skipped for a non-finite loss still advances the schedule (the lr is a function of the
+# step); torch warns when that happens before the first optimiser step
+warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before", category=UserWarning)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -106,6 +113,10 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0
+        self.skipped = 0  # steps skipped for a non-finite loss or gradient norm, in all
+        self.bad_in_a_row = 0  # ... the last of them consecutive
+        self._saved: tuple[int, Path] | None = None  # (step, checkpoint) last written or loaded
+        self._plot_failed = False
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -166,12 +177,22 @@ class Trainer:
             grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip, self.layout.pp_group)
         loss = lm + aux
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        bad = self._agree(not (math.isfinite(float(loss)) and math.isfinite(float(grad_norm))))
+        if bad:  # no update from it: the step is skipped, its batch consumed
+            self.skipped += 1
+            self.bad_in_a_row += 1
+        else:
+            self.optimizer.step()
+            self.bad_in_a_row = 0
         self.scheduler.step()
         self.step += 1
+        if not bad and self._agree(not all_finite(self.model.parameters())):  # finite gradients, too large a step
+            raise NonFiniteError(f"the weights are not finite after the update of step {self.step}")
         dt = time.perf_counter() - t0
         return {
             "step": self.step,
+            "skipped_steps": self.skipped,
+            **({"skipped": True} if bad else {}),
             "loss": float(loss.detach()),
             "lm_loss": float(lm.detach()),
             "aux_loss": float(aux.detach()),
@@ -182,17 +203,47 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(), "data_position": self.step}
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, extra, self.cfg.keep)
+        if self._saved is not None and self._saved[0] == self.step:  # nothing new since (a no-op --resume)
+            return self._saved[1]
+        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(), "data_position": self.step,
+                 "skipped": self.skipped, "bad_in_a_row": self.bad_in_a_row}  # fmt: skip
+        path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, extra, self.cfg.keep)
+        self._saved = (self.step, path)
+        return path
 
     def load(self, path: Path) -> None:
         extra = load_checkpoint(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.step = int(extra["step"])
+        self.skipped, self.bad_in_a_row = int(extra.get("skipped", 0)), int(extra.get("bad_in_a_row", 0))
+        self._saved = (self.step, path)
+
+    def _agree(self, flag: bool) -> bool:
+        """``flag`` of any rank, on every rank (the loss and grad norm are global already; this
+        keeps the ranks on one branch even if a rank's float rounding differed)."""
+        if self.layout.mesh is None:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _plot(self) -> None:
+        """Redraw the plots; a plot that cannot be written (a full disk, a broken matplotlib)
+        is said once and never stops the run."""
+        try:
+            plot_run(self.run_dir)
+        except Exception as err:  # noqa: BLE001 - the plots are a view of metrics.jsonl, which is kept
+            for tmp in self.run_dir.glob("*.png.tmp.png"):  # what a failed write left
+                tmp.unlink(missing_ok=True)
+            if not self._plot_failed:
+                self._plot_failed = True
+                warn(f"the plots in {self.run_dir} cannot be drawn ({type(err).__name__}: {err}); training goes on")
 
     def write_config(self) -> None:
         c = self.corpus
-        saved = json.loads((self.run_dir / "config.json").read_text()) if self.cfg.resume else {}
+        saved = read_run_config(self.run_dir) if self.cfg.resume else {}  # (a damaged one: its checkpoint copy)
         info = {
             "train": self.cfg.to_dict(),
             "model": asdict(self.model_config),
@@ -209,7 +260,9 @@ class Trainer:
             "active_params": self.model_config.num_active_params(),
             "command": self.argv,
         }
-        (self.run_dir / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+        tmp = self.run_dir / ".config.json.tmp"  # a kill while writing leaves the previous config.json
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.replace(self.run_dir / "config.json")
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -218,9 +271,8 @@ class Trainer:
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed_from = None
-        if cfg.resume:
-            resumed_from = latest_checkpoint(self.run_dir)
-            self.load(resumed_from)
+        if cfg.resume:  # the newest checkpoint that verifies, damaged ones passed over with a warning
+            resumed_from = load_newest(self.run_dir, self.load, repoint=True, flag="--resume")
         if main:  # rank 0 alone writes the config, the metrics and the plots, and shows the bar
             self.write_config()
         log = MetricsLog(self.run_dir, resume_step=self.step if cfg.resume else None) if main else None
@@ -234,6 +286,7 @@ class Trainer:
             bar.write(f"resumed from {resumed_from} at step {self.step}")
         stop = _Stop()
         plot_every = cfg.plot_every or cfg.eval_every
+        failure = None  # why the run diverged (it then ends with exit 1, nothing written from it)
         try:
             if self.step == 0:  # the starting point of the validation curve
                 val = self.evaluate()
@@ -251,19 +304,30 @@ class Trainer:
                     )
                     bar.update(1)
                     if self.step % plot_every == 0:
-                        plot_run(self.run_dir)
+                        self._plot()
+                if self.bad_in_a_row >= cfg.max_bad_steps:
+                    failure = self._diverged(record)
+                    break
                 if self._stopping(stop):
                     break
                 if self.step % cfg.checkpoint_every == 0 and self.step < last:
                     self.save()
-            path = self.save()
-            if main:
-                plot_run(self.run_dir)
+            if failure is None:
+                path = self.save()
+                if main:
+                    self._plot()
+        except NonFiniteError as err:
+            failure = str(err)
         finally:
             bar.close()
             if log is not None:
                 log.close()
             stop.restore()
+        if failure is not None:
+            if main:
+                kept = str(self._saved[1]) if self._saved else "none"
+                print(f"moe train: {failure}; newest checkpoint: {kept}", file=sys.stderr, flush=True)
+            return 1
         if not main:
             return 128 + stop.signum if stop.signum is not None else 0
         resume_hint = f"moe train --out {self.run_dir} --resume"
@@ -276,6 +340,12 @@ class Trainer:
         else:
             print(f"done: {self.step} steps, run folder {self.run_dir}")
         return 0
+
+    def _diverged(self, record: dict) -> str:
+        """Why a run whose loss or gradients stay non-finite ends."""
+        what = "loss" if not math.isfinite(record["loss"]) else "gradient norm"
+        value = record["loss"] if what == "loss" else record["grad_norm"]
+        return f"{what} is {value} at step {self.step} ({self.bad_in_a_row} steps in a row: --max-bad-steps)"
 
     def _stopping(self, stop: _Stop) -> bool:
         """A signal on any rank stops every rank after the same step (they must all checkpoint)."""
@@ -291,10 +361,20 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> int:
+    """Run ``cfg``; a full disk ends it with exit 1 and one line naming the device and the path,
+    and so does a collective that timed out or whose peer ended."""
     import torch.distributed as dist
 
     try:
         return Trainer(cfg, run_dir, argv).run()
+    except (DiskFullError, OSError) as err:
+        if isinstance(err, OSError) and not isinstance(err, DiskFullError):
+            if err.errno != errno.ENOSPC:
+                raise
+            err = disk_full_message(err.filename or run_dir)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"moe train: {err}", file=sys.stderr, flush=True)
+        return 1
     except RuntimeError as err:  # a collective that timed out, or whose peer ended: one line, exit 1
         line = collective_failure(err, cfg.collective_timeout) if dist.is_initialized() else None
         if line is None:

@@ -3,7 +3,8 @@
 Every line of ``metrics.jsonl`` is one optimiser step::
 
     {"step": 12, "loss": 3.1, "lm_loss": 3.08, "aux_loss": 0.02, "val_loss": 3.2 (eval steps only),
-     "tokens_per_s": 5400.0, "lr": 0.0003, "grad_norm": 0.9,
+     "tokens_per_s": 5400.0, "lr": 0.0003, "grad_norm": 0.9, "skipped_steps": 0,
+     "skipped": true (a step skipped for a NaN/inf loss or gradient norm only),
      "moe": {"1": {"max_load": 1.3, "cv": 0.2, "dropped": 0.0, "load": [0.3, 0.2, ...]}, ...}}
 
 The line of step 0 holds only ``val_loss``, the validation loss before training.
@@ -98,20 +99,39 @@ def _layer_key(name: str) -> str:
     return name.split(".")[1] if name.startswith("layers.") else name
 
 
+def _rows(text: str) -> list[dict]:
+    """The records of ``metrics.jsonl``; a line that does not parse (the half-written last line
+    of a killed run) is left out."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
 class MetricsLog:
     """Appends one JSON object per step to ``metrics.jsonl`` (a resumed run drops the lines
-    past the step it resumes from, so the file reads as one run)."""
+    past the step it resumes from, and a torn last line, so the file reads as one run)."""
 
     def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [row for row in _rows(self.path.read_text()) if row["step"] <= resume_step]
+            tmp = self.path.with_name(".metrics.jsonl.tmp")  # a kill while rewriting keeps the old file
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            tmp.replace(self.path)
         self._file = self.path.open("a")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:  # a write names no file: say which one
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
 
     def close(self) -> None:
         self._file.close()
@@ -119,7 +139,7 @@ class MetricsLog:
 
 def read_metrics(run_dir) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return _rows(path.read_text()) if path.exists() else []
 
 
 def plot_run(run_dir) -> list[Path]:

@@ -129,7 +129,7 @@ def collective_failure(err: BaseException, timeout_s: int) -> str | None:
     import torch.distributed as dist
 
     text = str(err)
-    if "timed out" in text.lower():
+    if "timed out" in text.lower() or "timeout" in text.lower():  # gloo: "Timed out ...", "Application timeout ..."
         return name_slow_ranks(timeout_s)
     if "closed by peer" in text or "Connection reset" in text:
         return f"rank {dist.get_rank()}: another rank ended in a collective (its message says why)"

@@ -36,12 +36,13 @@ def test_a_save_killed_while_writing_leaves_the_previous_checkpoint(tmp_path, mo
 
     root = tmp_path / "checkpoints"
     assert (root / ".tmp-step_000002").is_dir() and not (root / "step_000002").exists()
-    assert ckpt.latest_checkpoint(tmp_path) == root / "step_000001"
+    assert ckpt.choose_checkpoint(tmp_path) == (root / "step_000001", [])
     fresh, fresh_opt = _model_and_optimizer(1)
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), fresh, fresh_opt) == {"step": 1}
+    assert ckpt.load_checkpoint(root / "step_000001", fresh, fresh_opt) == {"step": 1}
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, saved[k]), k
 
     ckpt.save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep=1)  # clears the partial one, keeps 1
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003"]
-    assert ckpt.latest_checkpoint(tmp_path) == root / "step_000003"
+    assert (root / "latest").read_text().strip() == "step_000003"
+    assert ckpt.choose_checkpoint(tmp_path) == (root / "step_000003", [])

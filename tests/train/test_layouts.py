@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+from moe.train.manifest import verify
+
 from .run import ROOT, TINY, corpus, env, moe
 
 LOSS = dict(rel=1e-5)
@@ -80,6 +82,11 @@ def test_ep2_then_tp2_then_one_process_give_the_one_process_losses(tmp_path, dat
     moe("train", *common, "--out", run, "--nproc", 2, "--ep", 2, "--stop-at", 2)  # dp_shard=2 x ep=2
     _same(_metrics(run), expect, "ep=2")
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2]
+    saved = run / "checkpoints" / "step_000002"  # the manifest covers both ranks' files
+    listed = json.loads((saved / "manifest.json").read_text())["files"]
+    ranks = ["__0_0.distcp", "__1_0.distcp", "config.json", "rng_rank0.pt", "rng_rank1.pt"]
+    assert sorted(listed) == [".metadata", *ranks]
+    assert verify(saved) is None
     proc = moe("train", "--out", run, "--resume", "--nproc", 2, "--tp", 2, "--stop-at", 3)
     assert "at step 2" in proc.stdout + proc.stderr
     _same(_metrics(run), expect, "ep=2 -> tp=2")
