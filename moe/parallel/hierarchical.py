@@ -62,15 +62,12 @@ def resolve_ranks_per_node(ranks_per_node: int | None, ep_size: int) -> int:
 
 def node_groups(mesh: DeviceMesh, ep: str, ranks_per_node: int) -> tuple[object, object]:
     """The (node, local) process groups of this rank's ep group: ep rank r is local rank
-    r % P of node r // P. Made through one DeviceMesh, so every rank creates every group in the
-    same order (call it on every rank, once for all layers)."""
-    dim = mesh.mesh_dim_names.index(ep)
-    ranks = mesh.mesh.movedim(dim, -1)
-    nodes = ranks.shape[-1] // ranks_per_node
-    split = DeviceMesh(
-        mesh.device_type, ranks.reshape(-1, nodes, ranks_per_node), mesh_dim_names=("_ep_rest", "node", "local")
-    )
-    return split.get_group("node"), split.get_group("local")
+    r % P of node r // P. The ep dimension is unflattened into (nodes, P) on the DeviceMesh
+    (a slice of a larger mesh included), so every rank creates every group in the same order:
+    call it on every rank of the mesh's root, once for all layers."""
+    nodes = mesh.size(mesh.mesh_dim_names.index(ep)) // ranks_per_node
+    split = mesh._unflatten(ep, (nodes, ranks_per_node), (f"{ep}_node", f"{ep}_local"))
+    return split.get_group(f"{ep}_node"), split.get_group(f"{ep}_local")
 
 
 class HierarchicalDispatcher(FlatDispatcher):

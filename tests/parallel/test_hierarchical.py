@@ -4,6 +4,7 @@ rank that has no tokens and a node that receives nothing; the rows sent between 
 deduplicated count; a failing rank fails every rank; bad arguments raise. One launch."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def internode_pairs(expert_idx: torch.Tensor, node: int) -> int:
 
 
 def check_same_as_flat(
-    mesh, case: str, tokens: list[int], *, away_from: int | None = None, **options
+    mesh, case: str, tokens: list[int], *, away_from: int | None = None, ranks_per_node: int = PER_NODE, **options
 ) -> tuple[int, int]:
     """Outputs, x.grad and every parameter's (local) gradient equal the flat dispatcher's on the
     same rank; the rows sent between nodes are the deduplicated count, returned with the
@@ -68,7 +69,7 @@ def check_same_as_flat(
     scale = torch.linspace(-1, 1, 8)
     results = {}
     for dispatch in ("flat", "hierarchical"):
-        layer = parallelize_moe(copy.deepcopy(base), mesh, dispatch=dispatch, ranks_per_node=PER_NODE, **options)
+        layer = parallelize_moe(copy.deepcopy(base), mesh, dispatch=dispatch, ranks_per_node=ranks_per_node, **options)
         kind = HierarchicalDispatcher if dispatch == "hierarchical" else FlatDispatcher
         assert type(layer.dispatcher) is kind
         x = x_in.clone().requires_grad_()
@@ -82,7 +83,7 @@ def check_same_as_flat(
     assert g.keys() == g_flat.keys() and {"router.weight", "experts.w1", "experts.w2", "experts.w3"} <= g.keys()
     for name, grad in g.items():
         torch.testing.assert_close(grad, g_flat[name], **TOL, msg=lambda m, n=name: f"{case} {n}.grad: {m}")
-    node = rank // PER_NODE
+    node = dist.get_rank(layer.dispatcher.ep_group) // ranks_per_node
     expect = internode_pairs(layer.last_routing.expert_idx, node)
     assert layer.dispatcher.last_internode_rows == expect, (case, layer.dispatcher.last_internode_rows, expect)
     if away_from is not None:  # nothing reached that node: its experts got no gradient
@@ -125,8 +126,13 @@ def check_bad_arguments(mesh) -> None:
         parallelize_moe(build("base"), mesh, dispatch="hierarchical", ranks_per_node=2, static_splits=True)
     auto = parallelize_moe(build("topk"), mesh, dispatch="auto", ranks_per_node=PER_NODE)
     assert type(auto.dispatcher) is HierarchicalDispatcher
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     one_node = parallelize_moe(build("topk"), mesh, dispatch="auto")  # no LOCAL_WORLD_SIZE: one node
     assert type(one_node.dispatcher) is FlatDispatcher
+    os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)  # as torchrun sets it
+    from_env = parallelize_moe(build("topk"), mesh, dispatch="auto")
+    assert type(from_env.dispatcher) is HierarchicalDispatcher and from_env.dispatcher.ranks_per_node == PER_NODE
+    del os.environ["LOCAL_WORLD_SIZE"]
 
 
 def worker(rank: int, world: int, store: str) -> None:
@@ -142,6 +148,9 @@ def worker(rank: int, world: int, store: str) -> None:
         check_same_as_flat(mesh, "base-global", [5, 0, 6, 3], global_base=True)
         check_failing_rank(mesh)
         check_bad_arguments(mesh)
+        dp_ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))  # ep groups {0, 1}, {2, 3}
+        check_same_as_flat(dp_ep, "topk", [4, 7, 0, 5], ranks_per_node=1)  # two nodes of one rank
+        check_same_as_flat(dp_ep["ep"], "base", [6, 3, 5, 0], ranks_per_node=1)  # a slice, as parallelize_llama's
         mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
         with pytest.raises(ValueError, match="supports neither etp nor static_splits; got etp='etp'"):
             parallelize_moe(build("topk"), mesh2, etp="etp", dispatch="hierarchical", ranks_per_node=1)
