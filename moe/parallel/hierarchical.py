@@ -104,11 +104,11 @@ class HierarchicalDispatcher(FlatDispatcher):
         idx_TK = routing.expert_idx
         node_TK = torch.where(idx_TK >= 0, torch.div(idx_TK, per_node, rounding_mode="floor"), -1)
         # pairs (token, node) with at least one slot on the node, sorted by node then token
-        hit_NT = torch.zeros(self.num_nodes, num_tokens, dtype=torch.bool, device=x_TD.device)
-        valid = node_TK >= 0
-        tokens = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand_as(node_TK)
-        hit_NT[node_TK[valid], tokens[valid]] = True
-        pair_node, pair_token = hit_NT.nonzero(as_tuple=True)  # (S,) each
+        hit_NT = torch.zeros(self.num_nodes + 1, num_tokens, dtype=torch.bool, device=x_TD.device)
+        tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand_as(node_TK)
+        hit_NT[node_TK.where(node_TK >= 0, self.num_nodes), tokens_TK] = True  # dropped slots: the extra row
+        hit_NT = hit_NT[: self.num_nodes]
+        pair_node, pair_token = hit_NT.nonzero(as_tuple=True)  # (S,) each; a host sync
         pairs_N = hit_NT.sum(dim=1)
 
         # the count exchange, over the whole ep group in the flat one's shape (El values per rank)
@@ -125,7 +125,7 @@ class HierarchicalDispatcher(FlatDispatcher):
         # stage 1: each pair's vector once, its gates for that node's slots beside it
         on_node_SK = node_TK[pair_token] == pair_node.unsqueeze(1)
         local_SK = torch.where(on_node_SK, idx_TK[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
-        gates_SK = torch.where(on_node_SK, gates_TK[pair_token], torch.zeros((), dtype=gates_TK.dtype))
+        gates_SK = gates_TK[pair_token].masked_fill(~on_node_SK, 0)
         rows_SX = torch.cat([x_TD[pair_token], gates_SK], dim=1)
         rows_RX = all_to_all(rows_SX, recv, send, self.node_group)
         local_RK = all_to_all(local_SK.reshape(-1), [n * k for n in recv], [n * k for n in send], self.node_group)
