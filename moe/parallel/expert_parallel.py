@@ -17,6 +17,8 @@ Layouts (docs/parallel.md):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -46,6 +48,10 @@ def _mesh_dim(mesh: DeviceMesh, name: str | None, arg: str) -> int | None:
     if name not in names:
         raise ValueError(f"{arg} must name a dimension of the mesh, whose dimensions are {names}; got {name!r}")
     return names.index(name)
+
+
+def _env_rpn() -> str:
+    return f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}"
 
 
 @torch.no_grad()
@@ -104,7 +110,8 @@ def parallelize_moe(
         "global_base": global_base,
         "dispatch_strategy": dispatch_strategy,
         "dispatch": dispatch,
-        "ranks_per_node": ranks_per_node,
+        # the default comes from each rank's environment: ranks that read different ones disagree
+        "ranks_per_node": ranks_per_node if ranks_per_node is not None or dispatch == "flat" else _env_rpn(),
         "mesh": tuple(mesh.shape),
     }
     check_same_config(layers, mesh, options)  # first: the checks below then fail alike on every rank

@@ -132,6 +132,9 @@ def check_bad_arguments(mesh) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)  # as torchrun sets it
     from_env = parallelize_moe(build("topk"), mesh, dispatch="auto")
     assert type(from_env.dispatcher) is HierarchicalDispatcher and from_env.dispatcher.ranks_per_node == PER_NODE
+    os.environ["LOCAL_WORLD_SIZE"] = "4" if dist.get_rank() == 3 else "2"  # rank 3 would see one node
+    with pytest.raises(ValueError, match="disagree"):
+        parallelize_moe(build("topk"), mesh, dispatch="auto")
     del os.environ["LOCAL_WORLD_SIZE"]
 
 
