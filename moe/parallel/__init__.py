@@ -1,5 +1,5 @@
-"""Parallelism over torch.distributed: collectives, the expert-parallel dispatcher (`FlatDispatcher`,
-which `parallelize_moe` sets as each layer's ``dispatcher``), and
+"""Parallelism over torch.distributed: collectives, the expert-parallel dispatchers (`FlatDispatcher`,
+`HierarchicalDispatcher`: `parallelize_moe` sets one as each layer's ``dispatcher``), and
 the Llama layouts (`parallelize_llama`, `pipeline_llama`) on one named DeviceMesh.
 
 Parallelism is applied from outside the layer; nothing here holds a process-group global.
@@ -10,6 +10,7 @@ from .dispatch import DispatchInfo, PeerFailedError, combine, dispatch
 from .expert_parallel import ExpertParallel, parallelize_moe, reduce_gradients
 from .flat import FlatDispatcher
 from .global_base import GroupBalance
+from .hierarchical import HierarchicalDispatcher
 from .layout import LlamaMesh
 from .llama import LlamaParallel, llama_loss, loss_context, parallelize_llama, router_loss
 
@@ -18,6 +19,7 @@ __all__ = [
     "ExpertParallel",
     "FlatDispatcher",
     "GroupBalance",
+    "HierarchicalDispatcher",
     "LlamaMesh",
     "LlamaParallel",
     "LlamaPipeline",

@@ -17,6 +17,8 @@ Layouts (docs/parallel.md):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -29,6 +31,9 @@ from .agreement import all_reduce_mesh, check_same_config
 from .dispatch import STRATEGIES
 from .flat import FlatDispatcher
 from .global_base import GroupBalance
+from .hierarchical import HierarchicalDispatcher, node_groups, resolve_ranks_per_node
+
+DISPATCHES = ("flat", "hierarchical", "auto")
 
 # ExpertParallel: the flat dispatcher's name from before the layer had a dispatcher of its own
 ExpertParallel = FlatDispatcher
@@ -43,6 +48,10 @@ def _mesh_dim(mesh: DeviceMesh, name: str | None, arg: str) -> int | None:
     if name not in names:
         raise ValueError(f"{arg} must name a dimension of the mesh, whose dimensions are {names}; got {name!r}")
     return names.index(name)
+
+
+def _env_rpn() -> str:
+    return f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}"
 
 
 @torch.no_grad()
@@ -62,6 +71,8 @@ def parallelize_moe(
     static_splits: bool = False,
     global_base: bool = False,
     dispatch_strategy: str = "auto",
+    dispatch: str = "flat",
+    ranks_per_node: int | None = None,
 ) -> nn.Module:
     """Spread the experts of every `MoE` layer in ``module`` over ``mesh``; returns ``module``.
 
@@ -75,6 +86,14 @@ def parallelize_moe(
             per rank.
         dispatch_strategy: how rows reach their experts, see `moe.parallel.dispatch`
             ("auto", "resort" or "per_expert").
+        dispatch: "flat" (every ep rank exchanges rows with every other, `FlatDispatcher`),
+            "hierarchical" (nodes x ranks per node: a token crosses between nodes once per
+            destination node, `HierarchicalDispatcher`; no etp, no static_splits) or "auto"
+            (hierarchical when the ep group spans more than one node and neither etp nor
+            static_splits is asked for, else flat).
+        ranks_per_node: the ep ranks per node (ep rank r is on node r // ranks_per_node); must
+            divide the ep size. Default: the environment's ``LOCAL_WORLD_SIZE`` (at most the
+            ep size), else the whole group is one node.
 
     Every rank must call this with the same model and options (checked: a ValueError on every
     rank otherwise). The MoE layers' other parameters and buffers are broadcast from the mesh's
@@ -90,12 +109,17 @@ def parallelize_moe(
         "static_splits": static_splits,
         "global_base": global_base,
         "dispatch_strategy": dispatch_strategy,
+        "dispatch": dispatch,
+        # the default comes from each rank's environment: ranks that read different ones disagree
+        "ranks_per_node": ranks_per_node if ranks_per_node is not None or dispatch == "flat" else _env_rpn(),
         "mesh": tuple(mesh.shape),
     }
     check_same_config(layers, mesh, options)  # first: the checks below then fail alike on every rank
     ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
     if dispatch_strategy not in STRATEGIES:
         raise ValueError(f"dispatch_strategy must be one of {STRATEGIES}, got {dispatch_strategy!r}")
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     if ep_dim == etp_dim:
         raise ValueError(f"ep and etp must name different mesh dimensions, got {ep!r} for both")
     if not layers:
@@ -105,6 +129,13 @@ def parallelize_moe(
             raise ValueError(f"MoE layer {name!r} is already parallelised")
     ep_size = mesh.size(ep_dim)
     etp_size = mesh.size(etp_dim) if etp_dim is not None else 1
+    ranks_per_node = resolve_ranks_per_node(ranks_per_node, ep_size)
+    if dispatch == "auto":
+        multi_node = ranks_per_node < ep_size
+        dispatch = "hierarchical" if multi_node and etp is None and not static_splits else "flat"
+    if dispatch == "hierarchical" and (etp is not None or static_splits):
+        what = f"etp={etp!r}" if etp is not None else "static_splits=True"
+        raise ValueError(f"dispatch='hierarchical' supports neither etp nor static_splits; got {what}")
     for name, layer in layers:
         cfg = layer.config
         if cfg.num_experts % ep_size:
@@ -123,6 +154,7 @@ def parallelize_moe(
                 f"static_splits=True needs base_extras='lowest' in BASE layers (the loads sent must follow from "
                 f"the token count alone; router_options={{'base_extras': 'lowest'}}); layer {name!r} got {extras!r}"
             )
+    groups = node_groups(mesh, ep, ranks_per_node) if dispatch == "hierarchical" else None  # once, for every layer
     for _, layer in layers:
         for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
             if not name.startswith("experts."):
@@ -138,16 +170,23 @@ def parallelize_moe(
                 placements[etp_dim] = Shard(hidden)
             shard = distribute_tensor(w.detach(), mesh, placements)
             setattr(ex, wname, nn.Parameter(shard, requires_grad=w.requires_grad))
-        layer.dispatcher = flat = FlatDispatcher(
-            mesh, layer.config.num_experts, ep=ep, etp=etp, static_splits=static_splits, strategy=dispatch_strategy
-        )
+        if groups is not None:
+            dispatcher = HierarchicalDispatcher(
+                mesh, layer.config.num_experts, ranks_per_node=ranks_per_node, groups=groups, ep=ep,
+                strategy=dispatch_strategy,
+            )  # fmt: skip
+        else:
+            dispatcher = FlatDispatcher(
+                mesh, layer.config.num_experts, ep=ep, etp=etp, static_splits=static_splits, strategy=dispatch_strategy
+            )
+        layer.dispatcher = dispatcher
         if global_base:
-            layer.router.assign = GroupBalance(flat.ep_group, solver=layer.router.assign)
-            layer.router.assign.agreement = flat.agreement
+            layer.router.assign = GroupBalance(dispatcher.ep_group, solver=layer.router.assign)
+            layer.router.assign.agreement = dispatcher.agreement
         elif static_splits and isinstance(layer.router, BaseRouter):
             layer.router.sync_free = True  # with the approx solver the static path reads nothing back
         if isinstance(layer.router, TopKRouter):
-            layer.router.sum_over_ranks = flat.agreement.sum_loads
+            layer.router.sum_over_ranks = dispatcher.agreement.sum_loads
     return module
 
 

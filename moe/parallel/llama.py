@@ -242,6 +242,8 @@ def parallelize_llama(
     reshard_after_forward: bool = True,
     static_splits: bool = False,
     global_base: bool = False,
+    dispatch: str = "flat",
+    ranks_per_node: int | None = None,
     names: dict[str, str] | None = None,
 ) -> nn.Module:
     """Lay ``model`` (a `Llama`, or a pipeline stage of one) out over ``mesh``; returns ``model``.
@@ -259,7 +261,8 @@ def parallelize_llama(
             options); an MoE block compiles whole on one rank's experts; expert-parallel,
             tensor-parallel or checkpointed, its MoE layer stays eager (see `_compile_block`).
         mp_policy: FSDP2's `MixedPrecisionPolicy` (e.g. bf16 params, fp32 reductions on GPU).
-        static_splits, global_base: passed to `parallelize_moe`.
+        static_splits, global_base, dispatch, ranks_per_node: passed to `parallelize_moe`
+            (``dispatch="hierarchical"``: the two-level dispatcher over the ep group's nodes).
 
     Every rank calls this with the same model (built from the same seed: the parameters are
     sharded from the values each rank holds) and options; a disagreement, or a layout that does
@@ -271,7 +274,8 @@ def parallelize_llama(
         raise ValueError(f"ep={ep} disagrees with the LlamaMesh given, built for ep={lm.ep}")
     options = dict(
         mesh=lm.describe(), etp=etp, loss_parallel=loss_parallel, ac=activation_checkpoint, compile=compile,
-        mp=repr(mp_policy), static_splits=static_splits, global_base=global_base,
+        mp=repr(mp_policy), static_splits=static_splits, global_base=global_base, dispatch=dispatch,
+        ranks_per_node=ranks_per_node,
     )  # fmt: skip
     mine = {"config": repr(model.config), "layers": sorted(model.layers.keys()), "options": options}
     check_agreement("parallelize_llama", mine, lm.world["dp_tp"].get_group())  # the ranks of this stage
@@ -289,8 +293,9 @@ def parallelize_llama(
     if moe_layers and (lm.ep > 1 or etp):
         moe_mesh = world["ep", "tp"] if etp else world["ep"]
         parallelize_moe(
-            model, moe_mesh, ep="ep", etp="tp" if etp else None, static_splits=static_splits, global_base=global_base
-        )
+            model, moe_mesh, ep="ep", etp="tp" if etp else None, static_splits=static_splits,
+            global_base=global_base, dispatch=dispatch, ranks_per_node=ranks_per_node,
+        )  # fmt: skip
     if lm.dp_size > 1:
         for _, layer in moe_layers:
             if isinstance(layer.router, TopKRouter):  # one bias on every rank: loads of all dp ranks

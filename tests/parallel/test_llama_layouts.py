@@ -22,10 +22,17 @@ def _mesh(shape, names):
 
 
 def two_rank_layouts(rank, world, store):
+    from moe import MoE
+    from moe.parallel import HierarchicalDispatcher, parallelize_llama
+
     init(rank, world, store)
     cfg = L.config("topk")
     L.run_parallel(cfg, _mesh((2,), ("tp",)), "tp=2 loss_parallel", loss_parallel=True)
     L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 checkpointed", ep=2, activation_checkpoint=True)
+    hierarchical = dict(dispatch="hierarchical", ranks_per_node=1)  # two nodes of one rank: ep's slice unflattened
+    L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 hierarchical", ep=2, **hierarchical)
+    model = parallelize_llama(L.build(cfg), _mesh((2,), ("dp_shard",)), ep=2, **hierarchical)
+    assert {type(m.dispatcher) for m in model.modules() if isinstance(m, MoE)} == {HierarchicalDispatcher}
     for router in ROUTERS:
         cfg = L.config(router)
         L.run_parallel(cfg, _mesh((2,), ("dp_replicate",)), f"dp_replicate=2 {router}")
