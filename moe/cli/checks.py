@@ -95,7 +95,7 @@ def _check_train(args, p) -> None:
     _check_pipeline(args, n_layers, args.batch // dp)
     args.dp_shard = dp_shard
     _check_model(args, saved_model, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world)
-    if not launched:  # (the launcher checked for its ranks, which may have begun writing)
+    if not launched and not args.dry_run:  # (the launcher checked for its ranks, which may have begun writing)
         _check_writable(out)
 
 
@@ -176,7 +176,7 @@ def _check_model(args, saved_model: dict | None, local_procs: int) -> None:
     cfg = TrainConfig.from_dict(vars(args))
     try:
         model = check_model(cfg, saved_model)
-        if not args.force:
+        if not args.force and not args.dry_run:  # (a dry run prints the estimate instead)
             fit_check(cfg, model, local_procs)
     except ValueError as err:
         raise UsageError(str(err)) from None

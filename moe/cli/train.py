@@ -77,6 +77,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--max-bad-steps", type=_positive("--max-bad-steps"), default=d.max_bad_steps,
                    help="NaN/inf losses or grad norms in a row (each step skipped) that end the run")  # fmt: skip
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="build the model on meta, print its size, layout and memory estimate, and exit")  # fmt: skip
     r.add_argument("--force", action="store_true", help="start even when the memory estimate exceeds this machine's")
     lay = p.add_argument_group("layout (world size = product of the dimensions)")
     lay.add_argument("--nproc", type=_positive("--nproc"), default=d.nproc, help="local processes (torchrun)")
@@ -151,6 +153,13 @@ def _train(args, p, argv) -> int:
 
     die_with_launcher()  # in a rank of the --nproc launcher (which has done the checks below)
     _check_train(args, p)
+    if args.dry_run:
+        from ..train.config import TrainConfig
+        from ..train.preflight import describe
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))
+        print(describe(TrainConfig.from_dict(vars(args)), local))
+        return 0
     try:
         return _train_locked(args, argv)
     finally:

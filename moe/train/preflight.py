@@ -16,7 +16,15 @@ from ..models.llama import LlamaConfig
 from .config import TrainConfig, model_config, run_tokenizer
 from .data import load_tokenizer
 
-__all__ = ["available_memory", "check_model", "fit_check", "layout_options", "micro_batches_for", "step_bytes"]
+__all__ = [
+    "available_memory",
+    "check_model",
+    "describe",
+    "fit_check",
+    "layout_options",
+    "micro_batches_for",
+    "step_bytes",
+]
 
 # the fields of LlamaConfig / MoEConfig a message may name -> the option that sets them
 _FLAGS = {
@@ -183,3 +191,39 @@ def fit_check(cfg: TrainConfig, mc: LlamaConfig, local_procs: int) -> None:
             f"is built, {_gb(4 * mc.num_params())}; the training step's peak {_gb(step)}), more than the "
             f"{_gb(have)} of {what}: choose a smaller model or a layout over more processes, or pass --force"
         )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def describe(cfg: TrainConfig, local_procs: int) -> str:
+    """``moe train --dry-run``: the model built on the meta device (no memory), its parameter
+    counts, the layout and the memory estimate `fit_check` compares."""
+    import torch
+
+    from ..models.llama import Llama
+
+    mc = check_model(cfg)
+    with torch.device("meta"):
+        model = Llama(mc)
+    total = sum(p.numel() for p in model.parameters())
+    have, what, on_gpu = available_memory()
+    need, step = step_bytes(cfg, mc, on_gpu)
+    procs = 1 if on_gpu else local_procs
+    fits = need * procs <= have
+    moe = mc.moe
+    experts = f", MoE in {len(mc.moe_layers)} of {mc.n_layers} layers ({moe.num_experts} experts, top-{moe.top_k}, " \
+        f"{moe.router})" if moe is not None else ", dense"  # fmt: skip
+    world = cfg.tp * cfg.pp * cfg.dp_shard * cfg.dp_replicate
+    return "\n".join([
+        f"model: {cfg.from_hf or cfg.preset}: {_count(total)} parameters, {_count(mc.num_active_params())} active "
+        f"per token, {mc.n_layers} layers, dim {mc.dim}{experts}",
+        f"layout: {world} processes: tp={cfg.tp} pp={cfg.pp} ep={cfg.ep} etp={int(cfg.etp)} dp_shard={cfg.dp_shard} "
+        f"dp_replicate={cfg.dp_replicate}" + (f" schedule={cfg.pp_schedule} micro_batches={cfg.micro_batches or cfg.pp}"
+                                              if cfg.pp > 1 else ""),
+        f"memory per process: about {_gb(need)} (the whole model in fp32 while built {_gb(4 * total)}; the "
+        f"training step's peak {_gb(step)}); {_gb(have)} of {what}" + ("" if on_gpu or procs == 1 else
+                                                                      f" for {procs} local processes")
+        + (": fits" if fits else ": does not fit (moe train refuses it without --force)"),
+    ])  # fmt: skip

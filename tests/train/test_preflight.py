@@ -144,3 +144,18 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
             _resolved([*base, "--layout", text, *extra])
     with pytest.raises(UsageError, match="--layout replaces --tp"):
         _resolved([*base, "--layout", "tp=2", "--tp", "2"])
+
+
+def test_dry_run_builds_on_meta_and_prints_size_layout_and_memory(tmp_path, capsys):
+    """Seconds even for the 1.2T preset: nothing is allocated, nothing written, nothing launched."""
+    out = tmp_path / "r"
+    assert main(["train", "--preset", "llama2-moe-1.2t", "--router", "topk", "--dry-run", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    mc = model_config(TrainConfig(preset="llama2-moe-1.2t", router="topk"), 260)  # the byte vocabulary
+    total, active = mc.num_params() / 1e9, mc.num_active_params() / 1e9
+    assert f"llama2-moe-1.2t: {total:.2f}B parameters, {active:.2f}B active per token, 80 layers" in text, text
+    assert "does not fit (moe train refuses it without --force)" in text and not out.exists()
+    argv = ["train", *TINY, "--dry-run", "--layout", "tp=2,ep=2,dp_shard=2", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "layout: 4 processes: tp=2 pp=1 ep=2 etp=0 dp_shard=2" in text and ": fits" in text and not out.exists()
