@@ -77,6 +77,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--max-bad-steps", type=_positive("--max-bad-steps"), default=d.max_bad_steps,
                    help="NaN/inf losses or grad norms in a row (each step skipped) that end the run")  # fmt: skip
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
+    r.add_argument("--log-every", type=_positive("--log-every"), default=d.log_every,
+                   help="steps between plain progress lines when stderr is not a terminal (a log file)")  # fmt: skip
     r.add_argument("--dry-run", action="store_true",
                    help="build the model on meta, print its size, layout and memory estimate, and exit")  # fmt: skip
     r.add_argument("--force", action="store_true", help="start even when the memory estimate exceeds this machine's")

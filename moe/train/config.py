@@ -64,6 +64,7 @@ class TrainConfig:
     max_bad_steps: int = 3  # consecutive steps with a non-finite loss or gradient norm that end the run
     resume: bool = False
     plot_every: int | None = None  # None: at every evaluation
+    log_every: int = 10  # a plain progress line every N steps when stderr is not a terminal
     collective_timeout: int = 600  # seconds in one collective before the job ends (init_process_group)
     data_changed_ok: bool = False  # this --resume may read data that differ from the run's
     # layout (world size = product; see moe.parallel.parallelize_llama / pipeline_llama)

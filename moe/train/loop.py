@@ -280,8 +280,10 @@ class Trainer:
         last = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         from tqdm.auto import tqdm
 
+        # a terminal gets the redrawn bar; a log file (not a TTY) one plain line every --log-every steps
+        tty = sys.stderr.isatty()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   file=sys.stderr, disable=not main)  # fmt: skip
+                   file=sys.stderr, disable=not (main and tty))  # fmt: skip
         if resumed_from is not None and main:
             bar.write(f"resumed from {resumed_from} at step {self.step}")
         stop = _Stop()
@@ -303,6 +305,8 @@ class Trainer:
                         loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", max_load=f"{max_load:.2f}"
                     )
                     bar.update(1)
+                    if not tty and (self.step % cfg.log_every == 0 or self.step == last):
+                        print(_log_line(record, cfg.steps, max_load), file=sys.stderr, flush=True)
                     if self.step % plot_every == 0:
                         self._plot()
                 if self.bad_in_a_row >= cfg.max_bad_steps:
@@ -358,6 +362,15 @@ class Trainer:
         if flag.item() and stop.signum is None:
             stop.signum = int(flag.item())
         return bool(flag.item())
+
+
+def _log_line(record: dict, steps: int, max_load: float) -> str:
+    """One step as a plain line, for a log file."""
+    val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+    return (
+        f"step {record['step']}/{steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} "
+        f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} max_load {max_load:.2f}"
+    )
 
 
 def train(cfg: TrainConfig, run_dir: Path, argv: list[str] | None = None) -> int:

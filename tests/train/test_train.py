@@ -22,7 +22,10 @@ def data(tmp_path_factory):
 def test_run_folder_and_exact_resume(tmp_path, data):
     common = [*TINY, "--data", data, "--steps", 6, "--eval-every", 3, "--checkpoint-every", 2, "--keep", 2]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    moe("train", *common, "--out", whole)
+    log = moe("train", *common, "--out", whole, "--log-every", 4).stderr  # a pipe, as a log file is
+    assert "\r" not in log and "train:" not in log  # no redrawn bar, one plain line every 4 steps and at the end
+    steps = [line.split(" loss ")[0] for line in log.splitlines() if line.startswith("step ")]
+    assert steps == ["step 4/6", "step 6/6"]
     first = moe("train", *common, "--out", split, "--stop-at", 3)
     assert "resume with: moe train --out" in first.stdout
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
