@@ -221,9 +221,16 @@ def _check_writable(out: Path) -> None:
 
 def _check_pipeline(args, n_layers: int, rows: int) -> None:
     """--pp and its options; ``rows``: the sequences of one data-parallel rank per step."""
+    if args.pp > 1 and args.grad_accum > 1:
+        raise UsageError(f"--grad-accum {args.grad_accum}: pipeline stages split a step with --micro-batches")
+    if rows % args.grad_accum:
+        raise UsageError(f"--grad-accum {args.grad_accum} must divide the {rows} sequences of each data-parallel rank")
     if args.pp == 1:
         if "micro_batches" in args._explicit and args.micro_batches not in (None, 1):
-            raise UsageError(f"--micro-batches {args.micro_batches} splits pipeline steps: it needs --pp > 1")
+            raise UsageError(
+                f"--micro-batches {args.micro_batches} splits pipeline steps: it needs --pp > 1 "
+                "(without stages: --grad-accum)"
+            )
         args.micro_batches = None  # a resumed pipeline run's value does not apply to one stage
         return
     if args.etp or args.dp_replicate > 1:

@@ -91,6 +91,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule")
     lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None,
                      help="pipeline micro-batches per data-parallel rank and step (None: --pp)")  # fmt: skip
+    lay.add_argument("--grad-accum", type=_positive("--grad-accum"), default=d.grad_accum,
+                     help="without --pp: backward passes per step, over slices of each rank's rows")  # fmt: skip
     lay.add_argument("--layout", default=None,
                      help="moe plan's layout string (tp=2,pp=2,ep=2,...) instead of the flags above")  # fmt: skip
     return p

@@ -77,6 +77,7 @@ class TrainConfig:
     dp_replicate: int = 1
     pp_schedule: str = "1f1b"
     micro_batches: int | None = None  # None: pp (pipeline) or 1
+    grad_accum: int = 1  # without pipeline stages: backward passes per step over slices of each rank's rows
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -130,9 +130,25 @@ class Trainer:
 
     def _lm_loss(self, inputs, targets):
         """This rank's mean cross entropy over its rows of the global batch."""
+        return self._cross_entropy(self._local(inputs), self._local(targets))
+
+    def _cross_entropy(self, inputs_BS, targets_BS):
         with self._autocast():
-            logits = self.model(self._local(inputs))
-        return F.cross_entropy(logits.float().flatten(0, 1), self._local(targets).flatten())
+            logits = self.model(inputs_BS.to(self.device))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets_BS.to(self.device).flatten())
+
+    def _accumulate(self, inputs_BS, targets_BS, n: int):
+        """The backward of this rank's rows in ``n`` equal slices, each loss weighted 1/n, so the
+        gradients are those of the rows' mean loss (as one pass; the router sees a slice at a
+        time, as pipeline micro-batches); returns the means of the cross entropy and router loss."""
+        lm = aux = 0.0
+        for x, y in zip(inputs_BS.chunk(n), targets_BS.chunk(n), strict=True):
+            with loss_context(self.model):  # the trainer contract of moe.parallel (docs/training.md)
+                ce = self._cross_entropy(x, y)
+                ra = router_loss(self.model).float()
+                ((ce + ra) / n).backward()
+            lm, aux = lm + ce.detach() / n, aux + ra.detach() / n
+        return lm, aux
 
     def _modules(self) -> list[torch.nn.Module]:
         return self.pipe.models if self.pipe is not None else [self.model]
@@ -164,12 +180,8 @@ class Trainer:
             with self._autocast():  # the schedule runs every micro-batch's forward and backward
                 self.pipe.step(self._local(inputs), self._local(targets))
             lm, aux = self.pipe.lm_loss, self.pipe.aux_loss
-        else:
-            with loss_context(self.model):  # the trainer contract of moe.parallel (docs/training.md)
-                lm = self._lm_loss(inputs, targets)
-                aux = router_loss(self.model).float()
-                loss = lm + aux
-                loss.backward()
+        else:  # --grad-accum N: N forward+backward passes over slices of this rank's rows, each 1/N
+            lm, aux = self._accumulate(self._local(inputs), self._local(targets), cfg.grad_accum)
             lm, aux = self.layout.mean_over_dp(lm), self.layout.mean_over_dp(aux)
         if self.layout.mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)

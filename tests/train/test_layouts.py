@@ -142,7 +142,10 @@ def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, d
     _same(rows, topk_one, "pp=2 -> pp=1")
 
 
-@pytest.mark.parametrize("layout", [["--dp-replicate", 2], ["--tp", 2, "--etp"]], ids=["dp_replicate2", "tp2_etp"])
+@pytest.mark.parametrize(
+    "layout", [["--dp-replicate", 2], ["--tp", 2, "--etp"], ["--grad-accum", 2]],
+    ids=["dp_replicate2", "tp2_etp", "dp_shard2_grad_accum2"],
+)  # fmt: skip
 def test_dp_replicate_and_etp_give_the_one_process_losses_and_loads(tmp_path, data, topk_one, layout):
     run = tmp_path / "run"
     moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 2, *layout, "--stop-at", 2)
