@@ -91,6 +91,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     lay.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule")
     lay.add_argument("--micro-batches", type=_positive("--micro-batches"), default=None,
                      help="pipeline micro-batches per data-parallel rank and step (None: --pp)")  # fmt: skip
+    lay.add_argument("--ac", choices=("none", "full", "selective"), default=d.ac,
+                     help="activation checkpointing of every block (selective keeps the matmul outputs)")  # fmt: skip
+    lay.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default=d.dtype,
+                     help="auto: bf16 autocast on a GPU, fp32 on CPU (parameters and optimiser fp32)")  # fmt: skip
     lay.add_argument("--grad-accum", type=_positive("--grad-accum"), default=d.grad_accum,
                      help="without --pp: backward passes per step, over slices of each rank's rows")  # fmt: skip
     lay.add_argument("--layout", default=None,

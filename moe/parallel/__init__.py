@@ -12,9 +12,10 @@ from .flat import FlatDispatcher
 from .global_base import GroupBalance
 from .hierarchical import HierarchicalDispatcher
 from .layout import LlamaMesh
-from .llama import LlamaParallel, llama_loss, loss_context, parallelize_llama, router_loss
+from .llama import LlamaParallel, checkpoint_and_compile, llama_loss, loss_context, parallelize_llama, router_loss
 
 __all__ = [
+    "checkpoint_and_compile",
     "DispatchInfo",
     "ExpertParallel",
     "FlatDispatcher",

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -41,7 +42,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..layer import MoE, aux_loss
 from ..routing import TopKRouter
@@ -168,15 +169,49 @@ class _SumOverGroup:
         return t
 
 
-def _checkpointed(module: nn.Module) -> None:
-    """Re-run ``module``'s forward in backward instead of keeping its activations."""
+# selective checkpointing keeps these ops' outputs (the matmuls and attention: the costly ones
+# to recompute) and re-runs the rest (norms, activations, elementwise), as torchtitan's op policy
+_SAVED_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}  # fmt: skip
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(module: nn.Module, selective: bool = False) -> None:
+    """Re-run ``module``'s forward in backward instead of keeping its activations (all of them,
+    or with ``selective`` all but the matmul and attention outputs)."""
     forward = module.forward
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)} if selective else {}
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = run
+
+
+def checkpoint_and_compile(model: nn.Module, *, activation_checkpoint: bool | str = False, compile=False, tp: int = 1):
+    """Activation checkpointing (True / "full": every block re-runs its forward in backward;
+    "selective": keeping the matmul and attention outputs) and torch.compile (True or
+    torch.compile's options) of each block of ``model``, in place; what `parallelize_llama`
+    applies, usable in one process."""
+    if activation_checkpoint not in (False, True, "full", "selective"):
+        raise ValueError(
+            f"activation_checkpoint must be False, True, 'full' or 'selective', got {activation_checkpoint!r}"
+        )
+    for block in model.layers.values():
+        if activation_checkpoint:
+            _checkpointed(block, selective=activation_checkpoint == "selective")
+        if compile:
+            options = {"fullgraph": True} if compile is True else dict(compile)
+            _compile_block(block, options, checkpointed=bool(activation_checkpoint), tp=tp)
+    return model
 
 
 def _compile_block(block: nn.Module, options: dict, *, checkpointed: bool, tp: int) -> None:
@@ -300,12 +335,7 @@ def parallelize_llama(
         for _, layer in moe_layers:
             if isinstance(layer.router, TopKRouter):  # one bias on every rank: loads of all dp ranks
                 layer.router.sum_over_ranks = _SumOverGroup(world["dp"].get_group())
-    for block in model.layers.values():
-        if activation_checkpoint:
-            _checkpointed(block)
-        if compile:
-            options = {"fullgraph": True} if compile is True else dict(compile)
-            _compile_block(block, options, checkpointed=activation_checkpoint, tp=tp)
+    checkpoint_and_compile(model, activation_checkpoint=activation_checkpoint, compile=compile, tp=tp)
     kw = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     for block in model.layers.values():
         ff = block.feed_forward

@@ -77,6 +77,8 @@ class TrainConfig:
     dp_replicate: int = 1
     pp_schedule: str = "1f1b"
     micro_batches: int | None = None  # None: pp (pipeline) or 1
+    ac: str = "none"  # activation checkpointing of every block: none, full, selective (keeps matmul outputs)
+    dtype: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; bf16 / fp32 force it
     grad_accum: int = 1  # without pipeline stages: backward passes per step over slices of each rank's rows
 
     def to_dict(self) -> dict:

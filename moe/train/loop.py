@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..layer import aux_loss
 from ..models.llama import Llama
-from ..parallel import loss_context, router_loss
+from ..parallel import checkpoint_and_compile, loss_context, router_loss
 from .checkpoint import NonFiniteError, all_finite, load_checkpoint, load_newest, save_checkpoint
 from .config import TrainConfig, load_hf_model, model_config, run_tokenizer
 from .data import load_corpus, load_tokenizer
@@ -100,6 +100,8 @@ class Trainer:
         keys = moe_layer_keys(self.model)  # of the whole model, before a pipeline cuts it
         if self.layout is None:  # launched by torchrun: the same model on every rank, then sharded
             self.model, self.layout = parallelize(self.model, cfg, self.device)
+        elif cfg.ac != "none":  # one process: what parallelize_llama does per block
+            checkpoint_and_compile(self.model, activation_checkpoint=cfg.ac)
         self.pipe = self.layout.pipe
         moe = self.model_config.moe
         self.loads = LoadCounter(self.model, keys, moe.num_experts if moe else 0, self.device)
@@ -121,9 +123,9 @@ class Trainer:
     # -- pieces ----------------------------------------------------------------------------------
 
     def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        """--dtype: bf16 autocast (the parameters and optimiser stay fp32), by default on a GPU only."""
+        bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return self.layout.local_batch(t).to(self.device)

@@ -209,3 +209,16 @@ def test_pp2_with_ep2_or_tp2_on_four_processes(tmp_path, data, topk_one, layout)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     _same(rows, topk_one, "pp=2 " + " ".join(map(str, layout)))
+
+
+def test_activation_checkpointing_and_bf16_through_the_command(tmp_path, data, topk_one):
+    """--ac re-runs the blocks in backward: the same numbers as without (one process, and through
+    parallelize_llama under --nproc 2); --dtype bf16 autocasts on CPU too: near fp32, not equal."""
+    for extra in (["--ac", "full"], ["--nproc", 2, "--ac", "selective"]):
+        run = tmp_path / "-".join(map(str, extra))
+        moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 2, *extra)
+        _same(_metrics(run), topk_one, " ".join(map(str, extra)))
+    run = tmp_path / "bf16"
+    moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 1, "--dtype", "bf16")
+    got, ref = _metrics(run)[1]["loss"], topk_one[1]["loss"]
+    assert got != ref and got == pytest.approx(ref, rel=2e-2)
