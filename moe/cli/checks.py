@@ -108,7 +108,7 @@ def _apply_layout(args) -> int | None:
     from ..train.config import LAYOUT_FIELDS
     from ..train.preflight import layout_options
 
-    given = sorted(k for k in args._explicit if k in LAYOUT_FIELDS and k != "nproc")
+    given = sorted(k for k in args._explicit if k in (*LAYOUT_FIELDS, "ac") and k != "nproc")
     if given:
         raise UsageError(f"--layout replaces --{given[0].replace('_', '-')}: give one or the other")
     launched = "WORLD_SIZE" in os.environ

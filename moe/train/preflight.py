@@ -43,10 +43,7 @@ def _flag_of(message: str) -> str:
 
 
 # what the trainer runs of a planner's layout, and what it does not (yet): key -> the reason
-_UNSUPPORTED = {
-    "recompute": "moe train has no activation checkpointing option",
-    "loss_parallel": "moe train computes the loss on gathered logits",
-}
+_UNSUPPORTED = {"loss_parallel": "moe train computes the loss on gathered logits"}
 
 
 def layout_options(text: str, world: int | None) -> tuple[dict, int]:
@@ -72,6 +69,8 @@ def layout_options(text: str, world: int | None) -> tuple[dict, int]:
     schedule = {"interleaved_1f1b": "interleaved"}.get(lay.schedule, lay.schedule)
     opts = dict(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate,
                 pp_schedule=schedule, nproc=lay.world)  # fmt: skip
+    if lay.recompute:  # the planner's recompute: every block re-run in backward
+        opts["ac"] = "full"
     return opts, lay.micro_batch
 
 

@@ -111,7 +111,7 @@ def _resolved(argv: list[str]) -> dict:
     args._explicit = cli._explicit(parser, ["train", *argv])
     cli._check_train(args, parser)
     return {k: getattr(args, k) for k in ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate",
-                                          "pp_schedule", "micro_batches")}  # fmt: skip
+                                          "pp_schedule", "micro_batches", "ac")}  # fmt: skip
 
 
 def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
@@ -125,6 +125,7 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
         (Layout(pp=2, vpp=2, schedule="interleaved_1f1b", micro_batch=4),
          ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--micro-batches", "2"]),
         (Layout(dp_shard=2, dp_replicate=2), ["--nproc", "4", "--dp-replicate", "2"]),
+        (Layout(tp=2, dp_shard=2, recompute=True), ["--nproc", "4", "--tp", "2", "--ac", "full"]),
     ]  # fmt: skip
     for lay, flags in cases:
         text = lay.short()
@@ -132,7 +133,6 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
     # dp_shard left out: what --nproc leaves, as the planner derives it from --gpus
     assert _resolved([*base, "--layout", "tp=2", "--nproc", "4"])["dp_shard"] == 2
     bad = [
-        ("tp=2,recompute=1", "recompute=1 is not run by the trainer"),
         ("tp=2,reshard=0", "reshard=0 is not run by the trainer"),
         ("tp=2,precision=fp8", "precision=fp8 is not run"),
         ("pp=2,micro_batch=3", "micro_batch=3 must divide the 8 sequences"),
