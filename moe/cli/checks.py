@@ -65,6 +65,10 @@ def _check_train(args, p) -> None:
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     if launched and "nproc" in args._explicit and args.nproc != world:
         raise UsageError(f"--nproc {args.nproc} differs from torchrun's world size {world}: drop --nproc there")
+    if args.dispatch == "hierarchical" and args.etp:
+        raise UsageError("--dispatch hierarchical does not shard experts over tp: drop --etp or use --dispatch flat")
+    if args.ranks_per_node is not None and args.ep % args.ranks_per_node:
+        raise UsageError(f"--ranks-per-node {args.ranks_per_node} must divide --ep {args.ep} (the ep group's nodes)")
     if args.etp and args.tp == 1:
         raise UsageError("--etp shards the experts over the tp ranks: it needs --tp > 1")
     fixed = args.tp * args.pp * args.dp_replicate

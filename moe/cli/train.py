@@ -95,6 +95,11 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      help="activation checkpointing of every block (selective keeps the matmul outputs)")  # fmt: skip
     lay.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default=d.dtype,
                      help="auto: bf16 autocast on a GPU, fp32 on CPU (parameters and optimiser fp32)")  # fmt: skip
+    lay.add_argument("--dispatch", choices=("flat", "hierarchical", "auto"), default=d.dispatch,
+                     help="expert-parallel dispatch (hierarchical: a token crosses once per node; auto: when ep "
+                     "spans nodes)")  # fmt: skip
+    lay.add_argument("--ranks-per-node", type=_positive("--ranks-per-node"), default=None,
+                     help="ranks per node of the ep group, for --dispatch (default: LOCAL_WORLD_SIZE)")  # fmt: skip
     lay.add_argument("--grad-accum", type=_positive("--grad-accum"), default=d.grad_accum,
                      help="without --pp: backward passes per step, over slices of each rank's rows")  # fmt: skip
     lay.add_argument("--layout", default=None,

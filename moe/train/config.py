@@ -79,6 +79,8 @@ class TrainConfig:
     micro_batches: int | None = None  # None: pp (pipeline) or 1
     ac: str = "none"  # activation checkpointing of every block: none, full, selective (keeps matmul outputs)
     dtype: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; bf16 / fp32 force it
+    dispatch: str = "flat"  # expert-parallel dispatch: flat, hierarchical (two-level over nodes) or auto
+    ranks_per_node: int | None = None  # the ep group's ranks per node (None: LOCAL_WORLD_SIZE)
     grad_accum: int = 1  # without pipeline stages: backward passes per step over slices of each rank's rows
 
     def to_dict(self) -> dict:
@@ -92,7 +94,10 @@ class TrainConfig:
 
 # the layout: given on a resumed run's command line (any of them), it replaces the saved layout
 # as a whole (the fields not given take their defaults), so `--resume --nproc 1` is one process
-LAYOUT_FIELDS = ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "pp_schedule", "micro_batches")
+LAYOUT_FIELDS = (
+    "nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "pp_schedule", "micro_batches", "dispatch",
+    "ranks_per_node",
+)  # fmt: skip
 
 RESUME_KEEPS = (
     "preset experts top_k router moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..layer import aux_loss
+from ..layer import MoE, aux_loss
 from ..models.llama import Llama
 from ..parallel import checkpoint_and_compile, loss_context, router_loss
 from .checkpoint import NonFiniteError, all_finite, load_checkpoint, load_newest, save_checkpoint
@@ -272,6 +272,8 @@ class Trainer:
             "data_changes": data_changes(saved, c, self.step, self.argv),  # resumes on other data
             "params": self.model_config.num_params(),
             "active_params": self.model_config.num_active_params(),
+            # how the MoE layers reach their experts on rank 0 (local, flat or two-level expert-parallel)
+            "moe_dispatch": sorted({type(m.dispatcher).__name__ for m in self.model.modules() if isinstance(m, MoE)}),
             "command": self.argv,
         }
         tmp = self.run_dir / ".config.json.tmp"  # a kill while writing leaves the previous config.json

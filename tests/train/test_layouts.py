@@ -143,8 +143,10 @@ def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, d
 
 
 @pytest.mark.parametrize(
-    "layout", [["--dp-replicate", 2], ["--tp", 2, "--etp"], ["--grad-accum", 2]],
-    ids=["dp_replicate2", "tp2_etp", "dp_shard2_grad_accum2"],
+    "layout",
+    [["--dp-replicate", 2], ["--tp", 2, "--etp"], ["--grad-accum", 2],
+     ["--ep", 2, "--dispatch", "hierarchical", "--ranks-per-node", 1]],
+    ids=["dp_replicate2", "tp2_etp", "dp_shard2_grad_accum2", "ep2_two_nodes"],
 )  # fmt: skip
 def test_dp_replicate_and_etp_give_the_one_process_losses_and_loads(tmp_path, data, topk_one, layout):
     run = tmp_path / "run"
@@ -152,6 +154,8 @@ def test_dp_replicate_and_etp_give_the_one_process_losses_and_loads(tmp_path, da
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     _same(rows, topk_one, " ".join(map(str, layout)))
+    if "--dispatch" in layout:  # the two-level dispatcher ran (config.json says which)
+        assert json.loads((run / "config.json").read_text())["moe_dispatch"] == ["HierarchicalDispatcher"]
 
 
 def _wait_for_steps(proc, metrics, n):
@@ -222,3 +226,12 @@ def test_activation_checkpointing_and_bf16_through_the_command(tmp_path, data, t
     moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 1, "--dtype", "bf16")
     got, ref = _metrics(run)[1]["loss"], topk_one[1]["loss"]
     assert got != ref and got == pytest.approx(ref, rel=2e-2)
+
+
+@pytest.mark.slow
+def test_ep4_as_two_nodes_of_two_gives_the_one_process_losses(tmp_path, data, topk_one):
+    run = tmp_path / "run"
+    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 4, "--ep", 4, "--dispatch", "hierarchical",
+        "--ranks-per-node", 2, "--stop-at", 2)  # fmt: skip
+    _same(_metrics(run), topk_one, "ep4 as 2 x 2")
+    assert json.loads((run / "config.json").read_text())["moe_dispatch"] == ["HierarchicalDispatcher"]
