@@ -17,7 +17,7 @@ from moe.train import checkpoint as ckpt
 from moe.train import generate as gen
 from moe.train.manifest import MANIFEST, verify
 
-from .run import TINY, corpus, moe
+from .run import TINY, moe
 
 
 def _metrics(run):
@@ -34,11 +34,6 @@ def _weights_finite(folder) -> bool:
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
     dcp.load(state, checkpoint_id=str(folder))
     return bool(state) and all(bool(t.isfinite().all()) for t in state.values())
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

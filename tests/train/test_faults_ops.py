@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from moe.cli import main
 
 from .run import ROOT, TINY, corpus, env, moe
@@ -72,11 +70,6 @@ def _gone(pid) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_nproc2_lock_sigterm_to_one_rank_stopped_rank_and_launcher_killed(tmp_path, data):

@@ -26,7 +26,7 @@ import pytest
 
 from moe.train.manifest import verify
 
-from .run import ROOT, TINY, corpus, env, moe
+from .run import ROOT, TINY, env, moe
 
 LOSS = dict(rel=1e-5)
 NORM = dict(rel=1e-3)
@@ -56,11 +56,6 @@ def _same(rows, expect, what):
                 got = r["moe"][layer]
                 for key in ("max_load", "cv", "dropped", "load"):
                     assert got[key] == pytest.approx(stats[key], **LOADS), (what, r["step"], layer, key)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,11 @@ import time
 
 import pytest
 
-from .run import TINY, corpus, moe, popen
+from .run import TINY, moe, popen
 
 
 def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_run_folder_and_exact_resume(tmp_path, data):
