@@ -177,18 +177,24 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def fit_check(cfg: TrainConfig, mc: LlamaConfig, local_procs: int) -> None:
-    """Refuse a run that cannot fit before anything is allocated (``--force`` skips this)."""
+def estimate(cfg: TrainConfig, mc: LlamaConfig, local_procs: int) -> dict:
+    """The memory one process needs (`step_bytes`) against the memory there is: on a GPU each
+    process has its own device, on CPU the local processes share the host's."""
     have, what, on_gpu = available_memory()
     need, step = step_bytes(cfg, mc, on_gpu)
-    # on CPU the local processes share the host's memory; on a GPU each has its own device
-    total = need if on_gpu else need * local_procs
-    if total > have:
-        procs = "" if on_gpu or local_procs == 1 else f" x {local_procs} local processes"
+    procs = 1 if on_gpu else local_procs
+    return dict(need=need, step=step, have=have, what=what, procs=procs, fits=need * procs <= have)
+
+
+def fit_check(cfg: TrainConfig, mc: LlamaConfig, local_procs: int) -> None:
+    """Refuse a run that cannot fit before anything is allocated (``--force`` skips this)."""
+    e = estimate(cfg, mc, local_procs)
+    if not e["fits"]:
+        procs = "" if e["procs"] == 1 else f" x {e['procs']} local processes"
         raise ValueError(
-            f"--preset {cfg.preset}: needs about {_gb(need)} per process{procs} (the whole model in fp32 while it "
-            f"is built, {_gb(4 * mc.num_params())}; the training step's peak {_gb(step)}), more than the "
-            f"{_gb(have)} of {what}: choose a smaller model or a layout over more processes, or pass --force"
+            f"--preset {cfg.preset}: needs about {_gb(e['need'])} per process{procs} (the whole model in fp32 while "
+            f"it is built, {_gb(4 * mc.num_params())}; the training step's peak {_gb(e['step'])}), more than the "
+            f"{_gb(e['have'])} of {e['what']}: choose a smaller model or a layout over more processes, or pass --force"
         )
 
 
@@ -207,10 +213,7 @@ def describe(cfg: TrainConfig, local_procs: int) -> str:
     with torch.device("meta"):
         model = Llama(mc)
     total = sum(p.numel() for p in model.parameters())
-    have, what, on_gpu = available_memory()
-    need, step = step_bytes(cfg, mc, on_gpu)
-    procs = 1 if on_gpu else local_procs
-    fits = need * procs <= have
+    e = estimate(cfg, mc, local_procs)
     moe = mc.moe
     experts = f", MoE in {len(mc.moe_layers)} of {mc.n_layers} layers ({moe.num_experts} experts, top-{moe.top_k}, " \
         f"{moe.router})" if moe is not None else ", dense"  # fmt: skip
@@ -221,8 +224,8 @@ def describe(cfg: TrainConfig, local_procs: int) -> str:
         f"layout: {world} processes: tp={cfg.tp} pp={cfg.pp} ep={cfg.ep} etp={int(cfg.etp)} dp_shard={cfg.dp_shard} "
         f"dp_replicate={cfg.dp_replicate}" + (f" schedule={cfg.pp_schedule} micro_batches={cfg.micro_batches or cfg.pp}"
                                               if cfg.pp > 1 else ""),
-        f"memory per process: about {_gb(need)} (the whole model in fp32 while built {_gb(4 * total)}; the "
-        f"training step's peak {_gb(step)}); {_gb(have)} of {what}" + ("" if on_gpu or procs == 1 else
-                                                                      f" for {procs} local processes")
-        + (": fits" if fits else ": does not fit (moe train refuses it without --force)"),
+        f"memory per process: about {_gb(e['need'])} (the whole model in fp32 while built {_gb(4 * total)}; the "
+        f"training step's peak {_gb(e['step'])}); {_gb(e['have'])} of {e['what']}"
+        + ("" if e["procs"] == 1 else f" for {e['procs']} local processes")
+        + (": fits" if e["fits"] else ": does not fit (moe train refuses it without --force)"),
     ])  # fmt: skip
