@@ -9,7 +9,9 @@ the next, and keep their saved values unless given again.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 import torch
 
@@ -159,9 +161,6 @@ def upcycle_template(cfg: TrainConfig, dim: int, hidden: int) -> MoEConfig | Non
 
 
 def hf_config_dict(path: str) -> dict:
-    import json
-    from pathlib import Path
-
     try:
         return json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as err:
@@ -191,8 +190,6 @@ def _hf_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
 def run_tokenizer(cfg: TrainConfig) -> str | None:
     """The tokenizer a run reads: ``--tokenizer``, else the ``--from-hf`` folder's tokenizer.json."""
     if cfg.tokenizer is None and cfg.from_hf is not None:
-        from pathlib import Path
-
         path = Path(cfg.from_hf) / "tokenizer.json"
         if path.is_file():
             return str(path)
