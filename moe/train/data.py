@@ -189,7 +189,7 @@ def _shard_tokens(folder: str, tokenizer) -> TokenStream:
 
 def _tokenize(files: list[Path], root: Path, data: str | None, tokenizer, text_key: str, prints: dict) -> np.ndarray:
     """The token stream of ``files``; fills ``prints`` with their fingerprint as they are read."""
-    size = sum(f.stat().st_size for f in files if f.is_file())
+    size = sum(p.stat().st_size for f in files for p in ([f] if not f.is_dir() else f.rglob("*")) if p.is_file())
     if size > RAW_LIMIT:
         raise ValueError(
             f"--data {data}: {size / 1e9:.1f} GB of raw input would be tokenized in memory: tokenize it once "
