@@ -1,0 +1,177 @@
+"""The MoE layer against its peers over a grid of shapes, forward + backward, fp32 on CPU.
+
+    python -m benchmarks.layer_grid                      # the small points (D/F = 256/512)
+    python -m benchmarks.layer_grid --points small mid   # and D/F = 1024/2816 at T <= 2048
+    python -m benchmarks.layer_grid --T 2048 --D 256 --F 512 --E 8 --K 2   # one point
+
+At every point the contenders take turns within each repeat (one warm-up each, then
+--repeats), and the table gives each one's median ms, the min-max spread, and the ratios the
+goals are stated in: ours / torchtitan, ours / Megatron, ours / the dense-equivalent SwiGLU
+(T*K tokens through one expert: the same GEMM FLOPs in three plain matmuls, the floor).
+
+- ours: `moe.MoE`, softmax top-K renormalised (what torchtitan's `route_norm` and Mixtral do),
+  and `ours BASE` with the exact balanced assignment (no peer has it: compare with the floor);
+- torchtitan 0.3's `MoE` (softmax top-K, `route_norm`, its grouped experts);
+- Megatron-core 0.16's `MoELayer` (softmax top-K, all-gather dispatcher, SequentialMLP: its
+  GroupedMLP needs the grouped_gemm package) through the test-only CPU shims;
+- transformers' `MixtralSparseMoeBlock`, its eager and grouped_mm experts.
+All hold weights drawn N(0, 0.02) and read the same (T, D) input. The load average is printed
+before and after: take figures only when both are under 0.3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.adapters import _titan_moe
+from benchmarks.common import run_meta, timed_turns
+from moe import MoE, MoEConfig
+
+POINTS = {
+    "small": [(t, 256, 512, e, k) for t in (512, 2048, 8192) for e, k in ((8, 2), (64, 8))],
+    "mid": [(t, 1024, 2816, e, k) for t in (512, 2048) for e, k in ((8, 2), (64, 8))],
+    "mid8k": [(8192, 1024, 2816, e, k) for e, k in ((8, 2), (64, 8))],
+    "big": [(512, 4096, 14336, 8, 2)],
+}
+DENSE = "dense SwiGLU"
+
+
+def _ours(d, f, e, k, router="topk"):
+    options = {"renormalize": True} if router == "topk" else {}  # softmax top-K (the default scores)
+    layer = MoE(MoEConfig(dim=d, hidden_dim=f, num_experts=e, top_k=k, router=router, router_options=options))
+    return lambda x: layer(x[None])[0], layer
+
+
+def _titan(d, f, e, k):
+    module = _titan_moe(d, f, e, k)
+    return lambda x: module(x[None])[0], module
+
+
+def _megatron(d, f, e, k):
+    import torch.distributed as dist
+
+    from tests.adapters import megatron_cpu
+
+    megatron_cpu.install()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+    cfg = megatron_cpu.moe_layer_config(dim=d, hidden=f, experts=e, top_k=k)
+    module = MoELayer(cfg, get_gpt_layer_local_spec(num_experts=e, moe_grouped_gemm=False).submodules.mlp.submodules)
+    return lambda x: module(x[:, None])[0][:, 0], module  # Megatron's [s, b, h]
+
+
+def _mixtral(d, f, e, k, impl):
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    cfg = mm.MixtralConfig(hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k)
+    cfg._experts_implementation = impl
+    module = mm.MixtralSparseMoeBlock(cfg)
+    for p in module.parameters():
+        nn.init.normal_(p, std=0.02)
+
+    def run(x):
+        out = module(x[None])
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    return run, module
+
+
+def _dense(d, f, e, k):
+    w1, w3 = (nn.Parameter(torch.randn(d, f) * 0.02) for _ in range(2))
+    w2 = nn.Parameter(torch.randn(f, d) * 0.02)
+    holder = nn.ParameterList([w1, w3, w2])
+
+    def run(x):
+        x2 = x.repeat(k, 1)  # T*K tokens through one expert: the routed GEMMs' FLOPs
+        return (F.silu(x2 @ w1) * (x2 @ w3)) @ w2
+
+    return run, holder
+
+
+CONTENDERS = {
+    "ours": _ours,
+    "ours BASE": lambda d, f, e, k: _ours(d, f, e, k, router="base"),
+    "torchtitan": _titan,
+    "Megatron": _megatron,
+    "Mixtral eager": lambda d, f, e, k: _mixtral(d, f, e, k, "eager"),
+    "Mixtral grouped_mm": lambda d, f, e, k: _mixtral(d, f, e, k, "grouped_mm"),
+    DENSE: _dense,
+}
+
+
+def _step(run, module, x):
+    x_ = x.detach().requires_grad_()
+    run(x_).square().mean().backward()
+    module.zero_grad(set_to_none=True)
+
+
+def point(t, d, f, e, k, repeats, only):
+    torch.manual_seed(0)
+    x = torch.randn(t, d)
+    fns = {}
+    for name, make in CONTENDERS.items():
+        if only and name not in only:
+            continue
+        try:
+            run, module = make(d, f, e, k)
+            fns[name] = lambda run=run, module=module: _step(run, module, x)
+        except Exception as err:  # a peer this install lacks: say so, compare the rest
+            print(f"skip {name} at T={t} D={d} F={f} E={e} K={k}: {type(err).__name__}: {err}", file=sys.stderr)
+    times = timed_turns(fns, repeats)
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+
+    def ratio(a, b):
+        return f"{med[a] / med[b]:.2f}" if a in med and b in med else "-"
+
+    cells = " | ".join(
+        f"{med[n] * 1e3:.1f} ({min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f})" if n in med else "-"
+        for n, ts in ((n, times.get(n, [])) for n in CONTENDERS)
+    )
+    return (
+        f"| {t} | {d}/{f} | {e}/{k} | {cells} | {ratio('ours', 'torchtitan')} | {ratio('ours', 'Megatron')} "
+        f"| {ratio('ours', DENSE)} | {ratio('ours BASE', DENSE)} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", nargs="+", default=["small"], choices=sorted(POINTS))
+    for dim in ("T", "D", "F", "E", "K"):
+        ap.add_argument(f"--{dim}", type=int, default=None, help="with all five: one point instead of --points")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--only", nargs="+", default=None, choices=sorted(CONTENDERS), help="these contenders only")
+    args = ap.parse_args(argv)
+    one = (args.T, args.D, args.F, args.E, args.K)
+    if any(v is not None for v in one) and None in one:
+        ap.error("one point needs all of --T --D --F --E --K")
+    points = [one] if None not in one else [p for name in args.points for p in POINTS[name]]
+    meta = run_meta("benchmarks.layer_grid", argv)
+    print(
+        f"`{meta['command']}`: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, {meta['date']}, "
+        f"load before {os.getloadavg()[0]:.2f}; median ms of {args.repeats} (min-max), forward + backward\n"
+    )
+    print(
+        "| T | D/F | E/K | " + " | ".join(CONTENDERS) + " | ours / torchtitan | ours / Megatron | ours / dense "
+        "| ours BASE / dense |"
+    )
+    print("|" + "---|" * (3 + len(CONTENDERS) + 4))
+    for p in points:
+        print(point(*p, args.repeats, args.only), flush=True)
+    print(f"\nload after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
