@@ -75,3 +75,35 @@ def test_grouped_gemm_gather_methods_agree():
     unfused, fused = (fn(x, w, counts) for fn in fns.values())
     assert t == 24 and fused.shape == (48, 8)
     torch.testing.assert_close(fused, unfused)
+
+
+def test_layer_grid_point_has_every_contender_and_the_ratios():
+    import pytest
+
+    pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    from benchmarks import layer_grid
+
+    only = [name for name in layer_grid.CONTENDERS if name != "Megatron"]  # Megatron: a process group
+    row = layer_grid.point(64, 16, 32, 4, 2, repeats=1, only=only).strip("|").split("|")
+    cells = [c.strip() for c in row]
+    assert cells[:3] == ["64", "16/32", "4/2"]
+    times = dict(zip(layer_grid.CONTENDERS, cells[3 : 3 + len(layer_grid.CONTENDERS)], strict=True))
+    assert times["Megatron"] == "-" and all(times[n] != "-" for n in only)  # no contender skipped
+    ours_vs_titan, ours_vs_megatron, ours_vs_dense, base_vs_dense = (c for c in cells[-4:])
+    assert ours_vs_megatron == "-" and float(ours_vs_titan) > 0 and float(ours_vs_dense) > 0
+    assert float(base_vs_dense) > 0
+
+
+def test_base_solvers_reads_fairseqs_answer_back_per_token():
+    from benchmarks import base_solvers
+
+    class Auction:  # fairseq's output: for each expert in turn, the T/E tokens it takes
+        @staticmethod
+        def balanced_assignment(s):
+            return s[:, 0].argsort()
+
+    s = torch.randn(12, 3)
+    idx = base_solvers.fairseq_experts(Auction, s)
+    order = s[:, 0].argsort()
+    assert idx.shape == (12, 1) and idx[order[:4], 0].tolist() == [0] * 4 and idx[order[8:], 0].tolist() == [2] * 4
