@@ -115,11 +115,15 @@ def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: 
     # rounded once, measured); a wider out_dtype multiplies in that dtype
     acc = torch.promote_types(x_MI.dtype, out_dtype)
     rows = counts_E.tolist()
-    for e, (x_e, y_e) in enumerate(zip(x_MI.split(rows), out.split(rows), strict=True)):
+    if acc == out_dtype == x_MI.dtype == w_EIN.dtype:  # the common case: no casts to dispatch
+        for x_e, w_e, y_e in zip(x_MI.split(rows), w_EIN.unbind(0), out.split(rows), strict=True):
+            torch.mm(x_e, w_e, out=y_e)
+        return out
+    for x_e, w_e, y_e in zip(x_MI.split(rows), w_EIN.unbind(0), out.split(rows), strict=True):
         if acc == out_dtype:
-            torch.mm(x_e.to(acc), w_EIN[e].to(acc), out=y_e)
+            torch.mm(x_e.to(acc), w_e.to(acc), out=y_e)
         else:  # e.g. fp16 rows stored as bf16: multiply in fp32, round once
-            y_e.copy_(x_e.to(acc) @ w_EIN[e].to(acc))
+            y_e.copy_(x_e.to(acc) @ w_e.to(acc))
     return out
 
 
@@ -137,8 +141,8 @@ def _wgrad(x_MI: Tensor, dy_MN: Tensor, counts_E: Tensor, trans_w: bool, backend
         shape = (counts_E.shape[0], *((dy_MN.shape[1], x_MI.shape[1]) if trans_w else (x_MI.shape[1], dy_MN.shape[1])))
         dw = workspace.empty(shape, x_MI.dtype, x_MI.device)
         rows = counts_E.tolist()
-        for e, (x_e, dy_e) in enumerate(zip(x_MI.split(rows), dy_MN.split(rows), strict=True)):
-            torch.mm(*((dy_e.T, x_e) if trans_w else (x_e.T, dy_e)), out=dw[e])  # zeros for no rows
+        for x_e, dy_e, dw_e in zip(x_MI.split(rows), dy_MN.split(rows), dw.unbind(0), strict=True):
+            torch.mm(*((dy_e.T, x_e) if trans_w else (x_e.T, dy_e)), out=dw_e)  # zeros for no rows
         return dw
     else:  # the reference: this loop in fp32
         acc = torch.promote_types(x_MI.dtype, torch.float32)
