@@ -1,4 +1,5 @@
-"""The MoE layer against its peers over a grid of shapes, forward + backward, fp32 on CPU.
+"""The MoE layer against its peers over a grid of shapes, forward + backward (fp32 on CPU by
+default; ``--device cuda --dtype bfloat16`` on a GPU).
 
     python -m benchmarks.layer_grid                      # the small points (D/F = 256/512)
     python -m benchmarks.layer_grid --points small mid   # and D/F = 1024/2816 at T <= 2048
@@ -118,19 +119,21 @@ def _step(run, module, x):
     module.zero_grad(set_to_none=True)
 
 
-def point(t, d, f, e, k, repeats, only):
+def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
-    x = torch.randn(t, d)
+    x = torch.randn(t, d, device=device, dtype=dtype)
     fns = {}
     for name, make in CONTENDERS.items():
         if only and name not in only:
             continue
         try:
             run, module = make(d, f, e, k)
+            module.to(device, dtype)
             fns[name] = lambda run=run, module=module: _step(run, module, x)
         except Exception as err:  # a peer this install lacks: say so, compare the rest
             print(f"skip {name} at T={t} D={d} F={f} E={e} K={k}: {type(err).__name__}: {err}", file=sys.stderr)
-    times = timed_turns(fns, repeats)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    times = timed_turns(fns, repeats, sync)
     med = {n: statistics.median(ts) for n, ts in times.items()}
 
     def ratio(a, b):
@@ -152,13 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     for dim in ("T", "D", "F", "E", "K"):
         ap.add_argument(f"--{dim}", type=int, default=None, help="with all five: one point instead of --points")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--only", nargs="+", default=None, choices=sorted(CONTENDERS), help="these contenders only")
     args = ap.parse_args(argv)
     one = (args.T, args.D, args.F, args.E, args.K)
     if any(v is not None for v in one) and None in one:
         ap.error("one point needs all of --T --D --F --E --K")
     points = [one] if None not in one else [p for name in args.points for p in POINTS[name]]
-    meta = run_meta("benchmarks.layer_grid", argv)
+    meta = run_meta("benchmarks.layer_grid", argv, torch.device(args.device))
     print(
         f"`{meta['command']}`: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, {meta['date']}, "
         f"load before {os.getloadavg()[0]:.2f}; median ms of {args.repeats} (min-max), forward + backward\n"
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|" + "---|" * (3 + len(CONTENDERS) + 4))
     for p in points:
-        print(point(*p, args.repeats, args.only), flush=True)
+        print(point(*p, args.repeats, args.only, args.device, getattr(torch, args.dtype)), flush=True)
     print(f"\nload after {os.getloadavg()[0]:.2f}")
 
 
