@@ -139,6 +139,11 @@ def measure(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, **optio
     ``dispatch="hierarchical"``). Runs in a fresh process (DTensor caches plans per mesh, and a
     second fake process group in one process would meet them), its address space capped at
     `ADDRESS_SPACE_CAP` so that a tensor made real by mistake fails instead of filling the host."""
+    if cfg.moe is not None:
+        raise ValueError(
+            "the tracked step runs dense models only: the MoE layer reads its routing counts on the host, "
+            "which FakeTensorMode cannot answer (docs/scale.md)"
+        )
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_cap_memory) as pool:
         return pool.submit(_measure_here, cfg, lay, shape, rank, options).result()

@@ -64,3 +64,7 @@ def test_cli_check_memory(capsys, tmp_path):
     assert main([*common, "--search", "--check-memory"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--check-memory" in err[0] and "--layout" in err[0]
+    moe = ["--model", "tiny", *common[2:], "--layout", "dp_shard=4", "--check-memory"]
+    assert main(moe) == 2  # not measured yet: refused in one line, not a traceback from the child
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dense models only" in err[0]
