@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top", type=int, default=10, help="rows of the --search table")
     ap.add_argument("--json", action="store_true", help="JSON: one object per layout")
     ap.add_argument("--png", default=None, help="write a PNG of memory by component for the top layouts")
+    ap.add_argument(
+        "--check-memory", action="store_true",
+        help="with --layout: run one tracked training step of the busiest rank on a fake process group "
+        "(PyTorch's memory tracker, no memory allocated; minutes for a deep model) and print it beside the plan",
+    )  # fmt: skip
     return ap
 
 
@@ -132,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = TrainShape(seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens)
         if not args.search and args.layout is None:
             raise ValueError("give --layout or --search")
+        if args.check_memory and args.layout is None:
+            raise ValueError("--check-memory measures the --layout given; give --layout")
     except ValueError as e:
         print(f"moe plan: {e}", file=sys.stderr)
         return 2
@@ -156,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(_header(cfg, gpu, args))
             print(_describe(plan, gpu))
+        if args.check_memory and plan.memory is not None:
+            from .memcheck import check_memory_report
+
+            try:
+                print(check_memory_report(cfg, lay, shape, plan.rank, gpu.hbm_bytes * USABLE_FRACTION))
+            except ValueError as e:
+                print(f"moe plan: --check-memory: {e}", file=sys.stderr)
+                return 2
         if not plan.fits:
             print(f"moe plan: layout {lay.short()} does not fit: {plan.reason}", file=sys.stderr)
             if near:

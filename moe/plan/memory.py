@@ -9,10 +9,13 @@ Assumptions (stated once, the same for every layout):
   all-gathers them in bf16 for compute); gradients are sharded fp32 (fp32 reduce dtype);
   AdamW keeps fp32 m and v: 4 + 4 + 8 = 16 bytes per local element.
 - FSDP buffers: without pipelining, two blocks gathered in compute dtype (the one running and
-  the one prefetched) and one block's unsharded gradient in fp32. Under pipelining,
+  the one prefetched) and one block's unsharded gradient, in compute dtype as autograd makes it
+  and in fp32 as FSDP2 copies it for the reduce-scatter; and the root's parameters (embedding,
+  final norm, output), which FSDP2 keeps gathered from the forward to the backward. Under pipelining,
   torch.distributed.pipelining keeps gradients unsharded (no sync) and parameters unsharded
   after backward until the last micro-batch: the stage's whole unsharded parameters (compute
-  dtype) and gradients (fp32) are counted. With ``reshard=False`` (no reshard after forward)
+  dtype) and gradients, in compute dtype as autograd makes them and in fp32 as FSDP2 reduces
+  them, are counted. With ``reshard=False`` (no reshard after forward)
   every block stays gathered between its forward and backward.
 - Activations: the tensors an ideal block keeps for backward: norm inputs (sequence shard),
   the gathered inputs of the column-parallel projections (DTensor keeps them whole), q, k, v
@@ -24,8 +27,17 @@ Assumptions (stated once, the same for every layout):
   and one block's activations are live again in backward. Live micro-batches by schedule:
   GPipe M, 1F1B min(M, P - p) on pipeline rank p, interleaved 1F1B (V - 1) P + 2 (P - 1 - p) + 1
   virtual-stage chunks (torch.distributed.pipelining's warm-up), one micro-batch without pipelining.
+  The real block keeps more than the ideal one, in fp32 whatever the compute dtype (measured
+  by PyTorch's memory tracker, tests/plan/test_memcheck.py): each RMSNorm's fp32 input copy and
+  its reciprocal norm, and attention's log-sum-exp per head (`fp32_kept_bytes`).
 - Logits: the last stage keeps T x V (V / Tp under loss_parallel) logits in compute dtype plus
-  an fp32 copy and its fp32 gradient, for one micro-batch.
+  an fp32 copy, log-softmax's fp32 output (kept for backward) and its fp32 gradient, for one
+  micro-batch.
+- Embedding gradient: under tp > 1 the backward of the vocabulary-sharded embedding makes the
+  whole (V, D) gradient in compute dtype and an fp32 copy on every tp rank before keeping its
+  shard (DTensor's rule for the embedding's backward; seen by PyTorch's memory tracker). It
+  counts with the activations, or on a rank that holds the logits too as the logits' figure
+  when larger (the loss's backward is over before the embedding's begins).
 - MoE dispatch: under ep > 1, the send and receive buffers of one layer's all-to-all.
 """
 
@@ -35,7 +47,7 @@ from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .layout import Layout
-from .shards import local_numel, stage_specs, stage_summary
+from .shards import local_numel, stage_specs, stage_specs_ends, stage_summary, unsharded_numel
 
 __all__ = ["COMPONENTS", "USABLE_FRACTION", "TrainShape", "memory", "param_bytes", "peak_memory"]
 
@@ -89,6 +101,13 @@ def layer_activation_elems(cfg: LlamaConfig, lay: Layout, i: int, tokens: int) -
     return attn + tokens * (D // t + D + 4 * shared) + rows * (2 * D + 4 * fe)
 
 
+def fp32_kept_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> int:
+    """Bytes a real block keeps beyond the ideal one of `layer_activation_elems`, per tp rank:
+    the fp32 input copy and reciprocal norm of its two RMSNorms (on the sequence shard) and the
+    attention's fp32 log-sum-exp of each local head."""
+    return tokens * (2 * (4 * cfg.dim // lay.tp + 4) + 4 * cfg.n_heads // lay.tp)
+
+
 def _routed_rows(cfg: LlamaConfig, tokens: int) -> int:
     """Expert rows of one MoE layer on one rank: K copies of each token it routes (balanced),
     times the capacity factor when one caps the experts."""
@@ -137,25 +156,34 @@ def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: d
     out["params"], out["grads"], out["optimizer"] = _PARAM_BYTES * local, _GRAD_BYTES * local, _OPT_BYTES * local
     if gathered:
         if lay.pp > 1:
-            out["fsdp_buffers"] = gathered * (a + _GRAD_BYTES)
+            out["fsdp_buffers"] = gathered * (2 * a + _GRAD_BYTES)
         elif not lay.reshard:  # every block stays gathered from its forward to its backward
             out["fsdp_buffers"] = gathered * a + block_max * _GRAD_BYTES
         else:
-            out["fsdp_buffers"] = block_max * (2 * a + _GRAD_BYTES)
+            root = sum(unsharded_numel(x, lay, c) for st in stages for x in stage_specs_ends(cfg, lay, st))
+            out["fsdp_buffers"] = block_max * (3 * a + _GRAD_BYTES) + root * a
     if ("act",) not in cache:
         cache[("act",)] = {kind: layer_activation_elems(cfg, lay, i, tokens) for kind, i in _kinds(cfg)}
     act = cache[("act",)]
     per_stage = [x.dense_layers * act.get("dense", 0) + x.moe_layers * act.get("moe", 0) for x in sums]
     chunks = live_chunks(lay, p, M)
+    extra = fp32_kept_bytes(cfg, lay, tokens)
     if lay.recompute:
         kept = sum(tokens * cfg.dim // lay.tp * (x.dense_layers + x.moe_layers) for x in sums) / len(stages)
         worst = max(act[kind] for kind in ("dense", "moe") if any(getattr(x, f"{kind}_layers") for x in sums))
-        out["activations"] = int(a * (chunks * kept + worst))
+        out["activations"] = int(a * (chunks * kept + worst) + extra)
     else:
-        out["activations"] = int(a * chunks * sum(per_stage) / len(stages))
+        layers = sum(x.dense_layers + x.moe_layers for x in sums) / len(stages)
+        out["activations"] = int(chunks * (a * sum(per_stage) / len(stages) + layers * extra))
     if lay.num_stages - 1 in stages:
         vocab = -(-cfg.vocab_size // lay.tp) if lay.loss_parallel else cfg.vocab_size
-        out["logits"] = tokens * vocab * (a + 4 + 4)
+        out["logits"] = tokens * vocab * (a + 4 + 4 + 4)
+    if 0 in stages and lay.tp > 1:  # DTensor's backward of the vocabulary-sharded embedding
+        emb = cfg.vocab_size * cfg.dim * (a + 4)  # makes the whole (V, D) gradient
+        if out["logits"]:  # the loss's backward is over before the embedding's begins
+            out["logits"] = max(out["logits"], emb)
+        else:
+            out["activations"] += emb
     if lay.ep > 1 and any(x.moe_layers for x in sums):
         out["moe_dispatch"] = 2 * _routed_rows(cfg, tokens) * cfg.dim * a
     out["total"] = sum(out[k] for k in COMPONENTS)
