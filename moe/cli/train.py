@@ -93,6 +93,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      help="pipeline micro-batches per data-parallel rank and step (None: --pp)")  # fmt: skip
     lay.add_argument("--ac", choices=("none", "full", "selective"), default=d.ac,
                      help="activation checkpointing of every block (selective keeps the matmul outputs)")  # fmt: skip
+    lay.add_argument("--compile", action="store_true",
+                     help="torch.compile each block (an expert-parallel MoE layer stays eager)")  # fmt: skip
     lay.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default=d.dtype,
                      help="auto: bf16 autocast on a GPU, fp32 on CPU (parameters and optimiser fp32)")  # fmt: skip
     lay.add_argument("--dispatch", choices=("flat", "hierarchical", "auto"), default=d.dispatch,

@@ -80,6 +80,7 @@ class TrainConfig:
     pp_schedule: str = "1f1b"
     micro_batches: int | None = None  # None: pp (pipeline) or 1
     ac: str = "none"  # activation checkpointing of every block: none, full, selective (keeps matmul outputs)
+    compile: bool = False  # torch.compile each block (inductor; an expert-parallel MoE layer stays eager)
     dtype: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; bf16 / fp32 force it
     dispatch: str = "flat"  # expert-parallel dispatch: flat, hierarchical (two-level over nodes) or auto
     ranks_per_node: int | None = None  # the ep group's ranks per node (None: LOCAL_WORLD_SIZE)

@@ -100,8 +100,9 @@ class Trainer:
         keys = moe_layer_keys(self.model)  # of the whole model, before a pipeline cuts it
         if self.layout is None:  # launched by torchrun: the same model on every rank, then sharded
             self.model, self.layout = parallelize(self.model, cfg, self.device)
-        elif cfg.ac != "none":  # one process: what parallelize_llama does per block
-            checkpoint_and_compile(self.model, activation_checkpoint=cfg.ac)
+        elif cfg.ac != "none" or cfg.compile:  # one process: what parallelize_llama does per block
+            checkpoint_and_compile(self.model, activation_checkpoint=False if cfg.ac == "none" else cfg.ac,
+                                   compile=cfg.compile)  # fmt: skip
         self.pipe = self.layout.pipe
         moe = self.model_config.moe
         self.loads = LoadCounter(self.model, keys, moe.num_experts if moe else 0, self.device)

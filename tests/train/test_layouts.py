@@ -223,6 +223,16 @@ def test_activation_checkpointing_and_bf16_through_the_command(tmp_path, data, t
     assert got != ref and got == pytest.approx(ref, rel=2e-2)
 
 
+@pytest.mark.slow  # inductor compiles each block for about 40 s on CPU
+def test_compile_gives_the_eager_losses(tmp_path, data, topk_one):
+    """--compile: the blocks compiled by inductor (the MoE layer whole, in one process) train
+    as eager does, with the z-loss alone (--aux-loss-coef 0 once made the backward raise)."""
+    run = tmp_path / "compiled"
+    moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 2, "--compile")
+    _same(_metrics(run), topk_one, "--compile")
+    assert json.loads((run / "config.json").read_text())["train"]["compile"] is True
+
+
 @pytest.mark.slow
 def test_ep4_as_two_nodes_of_two_gives_the_one_process_losses(tmp_path, data, topk_one):
     run = tmp_path / "run"
