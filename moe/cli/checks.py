@@ -6,6 +6,7 @@ the run folder, ``--layout``, ``--from-hf``, and whether the run fits in memory.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -35,7 +36,7 @@ def _check_train(args, p) -> None:
         saved, saved_model = saved_info["train"], saved_info.get("model")
         new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
-            if key in ("out", "resume", "stop_at", "data_changed_ok") or not hasattr(args, key):
+            if key in ("out", "resume", "stop_at", "data_changed_ok", "profile") or not hasattr(args, key):
                 continue
             if key in args._explicit and key in RESUME_KEEPS and getattr(args, key) != value:
                 flag = "--" + key.replace("_", "-")
@@ -60,6 +61,8 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--stop-at {args.stop_at} must be <= --steps {args.steps}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.log != "none" and importlib.util.find_spec(args.log) is None:
+        raise UsageError(f"--log {args.log}: the {args.log} package is not installed (pip install 'moe[log]')")
     _check_numbers(args)
     launched = "WORLD_SIZE" in os.environ  # by torchrun (or by --nproc, which starts it)
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc

@@ -23,6 +23,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b")
 
 def _train_parser(sub) -> argparse.ArgumentParser:
     from ..train.config import TrainConfig
+    from ..train.loggers import LOGGERS
 
     d = TrainConfig()
     p = sub.add_parser("train", help="train a Llama-2-MoE model", formatter_class=_fmt)
@@ -79,6 +80,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
     r.add_argument("--log-every", type=_positive("--log-every"), default=d.log_every,
                    help="steps between plain progress lines when stderr is not a terminal (a log file)")  # fmt: skip
+    r.add_argument("--log", choices=LOGGERS, default=d.log,
+                   help="also log the metrics to TensorBoard (<out>/tensorboard) or W&B (offline)")  # fmt: skip
+    r.add_argument("--profile", type=_positive("--profile"), default=None, metavar="STEPS",
+                   help="a torch.profiler trace of STEPS steps after one warm-up step, in <out>/profile")  # fmt: skip
     r.add_argument("--dry-run", action="store_true",
                    help="build the model on meta, print its size, layout and memory estimate, and exit")  # fmt: skip
     r.add_argument("--force", action="store_true", help="start even when the memory estimate exceeds this machine's")

@@ -68,6 +68,8 @@ class TrainConfig:
     plot_every: int | None = None  # None: at every evaluation
     log_every: int = 10  # a plain progress line every N steps when stderr is not a terminal
     collective_timeout: int = 600  # seconds in one collective before the job ends (init_process_group)
+    log: str = "none"  # also log the metrics to: none, tensorboard, wandb (moe.train.loggers)
+    profile: int | None = None  # a torch.profiler trace of this many steps (after one warm-up step)
     data_changed_ok: bool = False  # this --resume may read data that differ from the run's
     # layout (world size = product; see moe.parallel.parallelize_llama / pipeline_llama)
     nproc: int = 1

@@ -37,8 +37,10 @@ from .config import TrainConfig, load_hf_model, model_config, run_tokenizer
 from .data import load_corpus, load_tokenizer
 from .distributed import clip_grad_norm, parallelize, setup
 from .fingerprint import data_changes
+from .loggers import open_logger
 from .manifest import DiskFullError, disk_full_message, read_run_config, warn
 from .metrics import LoadCounter, MetricsLog, moe_layer_keys, plot_run
+from .profiling import StepProfiler
 from .ranks import LAUNCHER_ENV, collective_failure, stop_message
 
 __all__ = ["Trainer", "lr_lambda", "train"]
@@ -292,7 +294,11 @@ class Trainer:
             resumed_from = load_newest(self.run_dir, self.load, repoint=True, flag="--resume")
         if main:  # rank 0 alone writes the config, the metrics and the plots, and shows the bar
             self.write_config()
-        log = MetricsLog(self.run_dir, resume_step=self.step if cfg.resume else None) if main else None
+        log = None
+        if main:
+            resume_step = self.step if cfg.resume else None
+            mirror = open_logger(cfg.log, self.run_dir, cfg.to_dict(), resume_step)
+            log = MetricsLog(self.run_dir, resume_step=resume_step, mirror=mirror)
         self.layout.barrier()
         last = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         from tqdm.auto import tqdm
@@ -304,6 +310,7 @@ class Trainer:
         if resumed_from is not None and main:
             bar.write(f"resumed from {resumed_from} at step {self.step}")
         stop = _Stop()
+        profiler = StepProfiler(cfg.profile, self.run_dir, self.layout.rank, self.device) if cfg.profile else None
         plot_every = cfg.plot_every or cfg.eval_every
         failure = None  # why the run diverged (it then ends with exit 1, nothing written from it)
         try:
@@ -313,6 +320,8 @@ class Trainer:
                     log.write({"step": 0, "val_loss": val})
             while self.step < last:
                 record = self.train_step()
+                if profiler is not None:
+                    profiler.step()
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     record["val_loss"] = self.evaluate()
                 if main:
@@ -340,6 +349,8 @@ class Trainer:
         except NonFiniteError as err:
             failure = str(err)
         finally:
+            if profiler is not None:
+                profiler.close()
             bar.close()
             if log is not None:
                 log.close()
