@@ -145,10 +145,17 @@ def _check_from_hf(args) -> tuple[int, int]:
         what = "--dense (leave out --upcycle for a dense model)" if args.dense else f"--{fixed[0].replace('_', '-')}"
         raise UsageError(f"--from-hf takes the model's shape from the checkpoint: drop {what}")
     try:
-        layers = int(hf_config_dict(args.from_hf)["num_hidden_layers"])
+        hf = hf_config_dict(args.from_hf)
+        layers = int(hf["num_hidden_layers"])
+        experts = int(hf["num_local_experts"]) if hf.get("model_type") == "mixtral" else args.upcycle or 1
     except (KeyError, ValueError, TypeError) as err:
-        raise UsageError(f"--from-hf {path}: config.json has no usable num_hidden_layers ({err})") from None
-    return layers, args.upcycle or 1
+        raise UsageError(f"--from-hf {path}: config.json has no usable {err} ({type(err).__name__})") from None
+    if hf.get("model_type") == "mixtral":
+        given = [k for k in ("upcycle", "router", "top_k", "moe_every") if k in args._explicit]
+        if given:
+            raise UsageError(f"--from-hf {path} is a Mixtral: its experts and routing are the checkpoint's, drop "
+                             f"--{given[0].replace('_', '-')}")  # fmt: skip
+    return layers, experts
 
 
 # the float options: (option, allowed when None, test, what it needs); NaN fails every test

@@ -41,8 +41,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--z-loss-coef", type=float, default=None, help="router z-loss weight (preset's)")
     m.add_argument("--bias-update-rate", type=float, default=None, help="top-k aux-loss-free bias step (0: off)")
     m.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (None: dropless)")
-    m.add_argument("--from-hf", default=None, help="start from a local transformers Llama folder (its shape, weights "
-                   "and tokenizer.json; --preset is not used)")  # fmt: skip
+    m.add_argument("--from-hf", default=None, help="start from a local transformers Llama or Mixtral folder (its "
+                   "shape, weights and tokenizer.json; --preset is not used)")  # fmt: skip
     m.add_argument("--upcycle", type=_positive("--upcycle"), default=None,
                    help="with --from-hf: its MLPs become this many experts (the layers --moe-every picks)")  # fmt: skip
     g = p.add_argument_group("data")

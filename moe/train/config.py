@@ -39,7 +39,7 @@ class TrainConfig:
     z_loss_coef: float | None = None
     bias_update_rate: float | None = None  # top-k's aux-loss-free balancing bias step
     capacity_factor: float | None = None
-    from_hf: str | None = None  # a local transformers Llama folder: its shape and weights (the preset's ignored)
+    from_hf: str | None = None  # a local transformers Llama or Mixtral folder: its shape and weights
     upcycle: int | None = None  # experts each of its MLPs becomes (the layers --moe-every picks); None: dense
     # data
     data: str | None = None  # None: the Python standard library's source, byte-level
@@ -182,6 +182,9 @@ def _hf_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
                 f"pass the checkpoint's tokenizer.json as --tokenizer"
             )
         over = {"max_seq_len": max(base.max_seq_len, cfg.seq_len)}
+        if base.moe is not None:  # a Mixtral: its routing is the checkpoint's, its losses may be set
+            losses = {k: getattr(cfg, k) for k in ("aux_loss_coef", "z_loss_coef", "capacity_factor")}
+            over["moe"] = replace(base.moe, **{k: v for k, v in losses.items() if v is not None})
         if cfg.upcycle is not None:
             over["moe"] = upcycle_template(cfg, base.dim, base.ffn_hidden_dim)
             over["moe_every"] = cfg.moe_every or 1
