@@ -53,8 +53,17 @@ class Layout:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def local_batch(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.mesh is None else self.mesh.local_batch(t)
+    def rows(self, batch: int) -> slice:
+        """This rank's rows of a global batch of ``batch`` sequences: the d-th of Dp equal blocks,
+        the rows `LlamaMesh.local_batch` takes (pipeline and tensor ranks read the same), so
+        that a rank reads only its own windows of the data."""
+        if self.mesh is None:
+            return slice(0, batch)
+        dp = self.mesh.dp_size
+        if batch % dp:
+            raise ValueError(f"the batch size {batch} must be divisible by the {dp} dp ranks")
+        n = batch // dp
+        return slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
 
     def mean_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach() if self.mesh is None else self.mesh.mean_over_dp(t)

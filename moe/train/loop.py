@@ -130,12 +130,9 @@ class Trainer:
         bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    def _local(self, t: torch.Tensor) -> torch.Tensor:
-        return self.layout.local_batch(t).to(self.device)
-
     def _lm_loss(self, inputs, targets):
         """This rank's mean cross entropy over its rows of the global batch."""
-        return self._cross_entropy(self._local(inputs), self._local(targets))
+        return self._cross_entropy(inputs, targets)
 
     def _cross_entropy(self, inputs_BS, targets_BS):
         with self._autocast():
@@ -163,10 +160,13 @@ class Trainer:
         for m in self._modules():
             m.eval()
         total, n = 0.0, 0
-        for inputs, targets in self.corpus.val_batches(self.cfg.eval_batches, self.cfg.batch, self.cfg.seq_len):
+        cfg = self.cfg
+        for inputs, targets in self.corpus.val_batches(
+            cfg.eval_batches, cfg.batch, cfg.seq_len, self.layout.rows(cfg.batch)
+        ):
             if self.pipe is not None:
                 with self._autocast():
-                    total += float(self.pipe.evaluate(self._local(inputs), self._local(targets)))
+                    total += float(self.pipe.evaluate(inputs.to(self.device), targets.to(self.device)))
             else:
                 total += float(self.layout.mean_over_dp(self._lm_loss(inputs, targets)))
             n += 1
@@ -177,16 +177,19 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg
-        inputs, targets = self.corpus.batch(self.step, cfg.seed, cfg.batch, cfg.seq_len)
+        # this rank's rows of the step's global batch (each data-parallel rank reads only its own)
+        rows = self.layout.rows(cfg.batch)
+        inputs, targets = self.corpus.batch(self.step, cfg.seed, cfg.batch, cfg.seq_len, rows)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         self.loads.reset()
         if self.pipe is not None:  # forward and backward of every micro-batch, losses meaned over dp
             with self._autocast():  # the schedule runs every micro-batch's forward and backward
-                self.pipe.step(self._local(inputs), self._local(targets))
+                self.pipe.step(inputs, targets)
             lm, aux = self.pipe.lm_loss, self.pipe.aux_loss
         else:  # --grad-accum N: N forward+backward passes over slices of this rank's rows, each 1/N
-            lm, aux = self._accumulate(self._local(inputs), self._local(targets), cfg.grad_accum)
+            lm, aux = self._accumulate(inputs, targets, cfg.grad_accum)
             lm, aux = self.layout.mean_over_dp(lm), self.layout.mean_over_dp(aux)
         if self.layout.mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
