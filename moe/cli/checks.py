@@ -247,9 +247,9 @@ def _check_pipeline(args, n_layers: int, rows: int) -> None:
             )
         args.micro_batches = None  # a resumed pipeline run's value does not apply to one stage
         return
-    if args.etp or args.dp_replicate > 1:
-        what = "--etp" if args.etp else f"--dp-replicate {args.dp_replicate}"
-        raise UsageError(f"--pp {args.pp} runs with --tp, --ep and --dp-shard, not with {what}; drop one of them")
+    if args.dp_replicate > 1:
+        raise UsageError(f"--pp {args.pp} runs with --tp, --ep, --etp and --dp-shard, not with --dp-replicate "
+                         f"{args.dp_replicate}; drop one of them")  # fmt: skip
     interleaved = args.pp_schedule.startswith("interleaved")
     stages = args.pp * (2 if interleaved else 1)
     if n_layers < stages:

@@ -107,6 +107,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      "spans nodes)")  # fmt: skip
     lay.add_argument("--ranks-per-node", type=_positive("--ranks-per-node"), default=None,
                      help="ranks per node of the ep group, for --dispatch (default: LOCAL_WORLD_SIZE)")  # fmt: skip
+    lay.add_argument("--reshard", type=int, choices=(0, 1), default=d.reshard,
+                     help="0: FSDP2 keeps each block gathered from forward to backward (plan's reshard=0)")  # fmt: skip
     lay.add_argument("--grad-accum", type=_positive("--grad-accum"), default=d.grad_accum,
                      help="without --pp: backward passes per step, over slices of each rank's rows")  # fmt: skip
     lay.add_argument("--layout", default=None,
