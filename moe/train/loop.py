@@ -280,6 +280,10 @@ class Trainer:
             "active_params": self.model_config.num_active_params(),
             # how the MoE layers reach their experts on rank 0 (local, flat or two-level expert-parallel)
             "moe_dispatch": sorted({type(m.dispatcher).__name__ for m in self.model.modules() if isinstance(m, MoE)}),
+            # rank 0's part of an MoE layer's w1 (E, D, F): ep splits E, etp F, FSDP2 the first dim
+            "expert_shard": next(
+                (list(_local_shape(m.experts.w1)) for m in self.model.modules() if isinstance(m, MoE)), None
+            ),  # fmt: skip
             "command": self.argv,
         }
         tmp = self.run_dir / ".config.json.tmp"  # a kill while writing leaves the previous config.json
@@ -393,6 +397,10 @@ class Trainer:
         if flag.item() and stop.signum is None:
             stop.signum = int(flag.item())
         return bool(flag.item())
+
+
+def _local_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.to_local().shape if hasattr(t, "to_local") else t.shape)
 
 
 def _log_line(record: dict, steps: int, max_load: float) -> str:

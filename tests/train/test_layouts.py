@@ -232,6 +232,7 @@ def test_pp2_tp2_etp_without_reshard_gives_the_one_process_losses(tmp_path, data
     _same(_metrics(run), topk_one, "tp=2,pp=2,etp=1,reshard=0")
     saved = json.loads((run / "config.json").read_text())["train"]
     assert (saved["tp"], saved["pp"], saved["etp"], saved["reshard"]) == (2, 2, True, 0)
+    assert json.loads((run / "config.json").read_text())["expert_shard"] == [4, 64, 48]  # F=96 split over tp
 
 
 def test_reshard_0_gives_the_one_process_losses(tmp_path, data, topk_one):
