@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -m venv $(VENV) || { echo "$(PYTHON) -m venv failed; on Debian/Ubuntu install the venv module: apt install python3-venv (or python3.11-venv)" >&2; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_INDEX_ARGS) torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,bench,hf,data,megatron,torchtitan]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,hf,data,log,megatron,torchtitan]'
 	touch $(STAMP)
 
 demo: $(STAMP)

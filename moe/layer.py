@@ -88,7 +88,7 @@ class MoE(nn.Module):
         gates = res.weights.to(x_in.dtype)
         y_TD = dispatcher(self, x_in, res, gates)  # the experts' gate-weighted outputs of the routed tokens
         y_TD, gates = dispatcher.scatter_tokens(y_TD), dispatcher.local_rows(gates)
-        loss = res.aux_loss + res.z_loss
+        loss = _loss_sum(res.aux_loss, res.z_loss)
         if dispatcher.loss_scale != 1.0:
             loss = loss * dispatcher.loss_scale
         if cfg.combine == "sigmoid_residual":
@@ -134,6 +134,17 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         cfg = self.config
         return f"router={cfg.router}, experts={cfg.num_experts}, top_k={cfg.top_k}, combine={cfg.combine}"
+
+
+def _loss_sum(aux: Tensor, z: Tensor) -> Tensor:
+    """``aux + z``, leaving out a term that is a constant zero (its coefficient 0). Both come
+    from the same logits, so a term without a gradient while the other has one is that zero.
+    Compiled by inductor, ``0 + z`` folds to ``z``, the buffer `last_routing`'s detached z loss
+    is returned as too; an output returned twice then gets no gradient in the backward ("expected
+    Tensor() for op: input"), while a loss that is ``z`` itself is an alias torch.compile handles."""
+    if aux.requires_grad != z.requires_grad:
+        return aux if aux.requires_grad else z
+    return aux + z
 
 
 def _shape_of(x: object) -> str:

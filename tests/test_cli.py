@@ -63,7 +63,6 @@ BAD = [
     (["train", "--grad-accum", "3"], "--grad-accum 3 must divide the 8 sequences of each data-parallel rank"),
     (["train", "--nproc", "2", "--pp", "2", "--grad-accum", "2"], "pipeline stages split a step with --micro-batches"),
     (["train", "--nproc", "4", "--pp", "2", "--dp-replicate", "2"], "not with --dp-replicate 2"),
-    (["train", "--nproc", "4", "--pp", "2", "--tp", "2", "--etp"], "not with --etp"),
     (["train", "--etp"], "--etp shards the experts over the tp ranks: it needs --tp > 1"),
     (["train", "--nproc", "2", "--batch", "3"], "--batch 3 must be divisible by the data-parallel size 2"),
     (["train", "--resume"], "--resume needs --out DIR"),

@@ -116,3 +116,30 @@ def test_base_assign_op() -> None:
         torch.testing.assert_close(got, balanced_assignment(scores, 2, extras=extras))
         got = torch.ops.moe.base_assign(scores, 1, 5, True, extras)
         torch.testing.assert_close(got, balanced_assignment_approx(scores, 1, max_iters=5, extras=extras))
+
+
+@pytest.mark.parametrize(
+    "coefs",
+    [
+        pytest.param(dict(aux_loss_coef=0.0, z_loss_coef=0.001), id="z"),  # moe train's --aux-loss-coef 0
+        pytest.param(dict(aux_loss_coef=0.01, z_loss_coef=0.0), id="aux", marks=pytest.mark.slow),  # ~20 s each
+    ],
+)
+def test_inductor_one_loss_off_matches_eager(coefs: dict) -> None:
+    """With one loss coefficient 0 the layer's loss is the other term alone: inductor folded
+    ``0 + z`` into the buffer `last_routing` returns detached too, and the backward raised."""
+    cfg = MoEConfig(**_SMALL, top_k=2, **coefs)
+    torch.manual_seed(0)
+    eager = MoE(cfg)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True)  # inductor: its graph passes do the folding
+    x_BSD, w_BSD = torch.randn(2, 7, cfg.dim), torch.randn(2, 7, cfg.dim)
+    y_e, aux_e, gx_e, g_e = _step(eager, eager, x_BSD, w_BSD)
+    y_c, aux_c, gx_c, g_c = _step(twin, compiled, x_BSD, w_BSD)
+    torch.testing.assert_close(y_c, y_e)
+    torch.testing.assert_close(aux_c, aux_e)
+    assert aux_e > 0  # the loss that is on is counted
+    torch.testing.assert_close(gx_c, gx_e)
+    for key in g_e:
+        torch.testing.assert_close(g_c[key], g_e[key], msg=key)
+    torch.testing.assert_close(twin.last_routing.z_loss + twin.last_routing.aux_loss, aux_e)

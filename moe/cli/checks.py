@@ -6,6 +6,7 @@ the run folder, ``--layout``, ``--from-hf``, and whether the run fits in memory.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -35,7 +36,7 @@ def _check_train(args, p) -> None:
         saved, saved_model = saved_info["train"], saved_info.get("model")
         new_layout = any(key in args._explicit for key in LAYOUT_FIELDS)  # replaces the saved one whole
         for key, value in saved.items():  # the run's own values, unless given again
-            if key in ("out", "resume", "stop_at", "data_changed_ok") or not hasattr(args, key):
+            if key in ("out", "resume", "stop_at", "data_changed_ok", "profile") or not hasattr(args, key):
                 continue
             if key in args._explicit and key in RESUME_KEEPS and getattr(args, key) != value:
                 flag = "--" + key.replace("_", "-")
@@ -60,6 +61,8 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--stop-at {args.stop_at} must be <= --steps {args.steps}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.log != "none" and importlib.util.find_spec(args.log) is None:
+        raise UsageError(f"--log {args.log}: the {args.log} package is not installed (pip install 'moe[log]')")
     _check_numbers(args)
     launched = "WORLD_SIZE" in os.environ  # by torchrun (or by --nproc, which starts it)
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
@@ -142,10 +145,17 @@ def _check_from_hf(args) -> tuple[int, int]:
         what = "--dense (leave out --upcycle for a dense model)" if args.dense else f"--{fixed[0].replace('_', '-')}"
         raise UsageError(f"--from-hf takes the model's shape from the checkpoint: drop {what}")
     try:
-        layers = int(hf_config_dict(args.from_hf)["num_hidden_layers"])
+        hf = hf_config_dict(args.from_hf)
+        layers = int(hf["num_hidden_layers"])
+        experts = int(hf["num_local_experts"]) if hf.get("model_type") == "mixtral" else args.upcycle or 1
     except (KeyError, ValueError, TypeError) as err:
-        raise UsageError(f"--from-hf {path}: config.json has no usable num_hidden_layers ({err})") from None
-    return layers, args.upcycle or 1
+        raise UsageError(f"--from-hf {path}: config.json has no usable {err} ({type(err).__name__})") from None
+    if hf.get("model_type") == "mixtral":
+        given = [k for k in ("upcycle", "router", "top_k", "moe_every") if k in args._explicit]
+        if given:
+            raise UsageError(f"--from-hf {path} is a Mixtral: its experts and routing are the checkpoint's, drop "
+                             f"--{given[0].replace('_', '-')}")  # fmt: skip
+    return layers, experts
 
 
 # the float options: (option, allowed when None, test, what it needs); NaN fails every test
@@ -237,9 +247,9 @@ def _check_pipeline(args, n_layers: int, rows: int) -> None:
             )
         args.micro_batches = None  # a resumed pipeline run's value does not apply to one stage
         return
-    if args.etp or args.dp_replicate > 1:
-        what = "--etp" if args.etp else f"--dp-replicate {args.dp_replicate}"
-        raise UsageError(f"--pp {args.pp} runs with --tp, --ep and --dp-shard, not with {what}; drop one of them")
+    if args.dp_replicate > 1:
+        raise UsageError(f"--pp {args.pp} runs with --tp, --ep, --etp and --dp-shard, not with --dp-replicate "
+                         f"{args.dp_replicate}; drop one of them")  # fmt: skip
     interleaved = args.pp_schedule.startswith("interleaved")
     stages = args.pp * (2 if interleaved else 1)
     if n_layers < stages:

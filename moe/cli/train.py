@@ -23,6 +23,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b")
 
 def _train_parser(sub) -> argparse.ArgumentParser:
     from ..train.config import TrainConfig
+    from ..train.loggers import LOGGERS
 
     d = TrainConfig()
     p = sub.add_parser("train", help="train a Llama-2-MoE model", formatter_class=_fmt)
@@ -40,8 +41,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--z-loss-coef", type=float, default=None, help="router z-loss weight (preset's)")
     m.add_argument("--bias-update-rate", type=float, default=None, help="top-k aux-loss-free bias step (0: off)")
     m.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (None: dropless)")
-    m.add_argument("--from-hf", default=None, help="start from a local transformers Llama folder (its shape, weights "
-                   "and tokenizer.json; --preset is not used)")  # fmt: skip
+    m.add_argument("--from-hf", default=None, help="start from a local transformers Llama or Mixtral folder (its "
+                   "shape, weights and tokenizer.json; --preset is not used)")  # fmt: skip
     m.add_argument("--upcycle", type=_positive("--upcycle"), default=None,
                    help="with --from-hf: its MLPs become this many experts (the layers --moe-every picks)")  # fmt: skip
     g = p.add_argument_group("data")
@@ -79,6 +80,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--plot-every", type=_positive("--plot-every"), default=None, help="plot cadence (eval's)")
     r.add_argument("--log-every", type=_positive("--log-every"), default=d.log_every,
                    help="steps between plain progress lines when stderr is not a terminal (a log file)")  # fmt: skip
+    r.add_argument("--log", choices=LOGGERS, default=d.log,
+                   help="also log the metrics to TensorBoard (<out>/tensorboard) or W&B (offline)")  # fmt: skip
+    r.add_argument("--profile", type=_positive("--profile"), default=None, metavar="STEPS",
+                   help="a torch.profiler trace of STEPS steps after one warm-up step, in <out>/profile")  # fmt: skip
     r.add_argument("--dry-run", action="store_true",
                    help="build the model on meta, print its size, layout and memory estimate, and exit")  # fmt: skip
     r.add_argument("--force", action="store_true", help="start even when the memory estimate exceeds this machine's")
@@ -93,6 +98,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      help="pipeline micro-batches per data-parallel rank and step (None: --pp)")  # fmt: skip
     lay.add_argument("--ac", choices=("none", "full", "selective"), default=d.ac,
                      help="activation checkpointing of every block (selective keeps the matmul outputs)")  # fmt: skip
+    lay.add_argument("--compile", action="store_true",
+                     help="torch.compile each block (an expert-parallel MoE layer stays eager)")  # fmt: skip
     lay.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default=d.dtype,
                      help="auto: bf16 autocast on a GPU, fp32 on CPU (parameters and optimiser fp32)")  # fmt: skip
     lay.add_argument("--dispatch", choices=("flat", "hierarchical", "auto"), default=d.dispatch,
@@ -100,6 +107,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      "spans nodes)")  # fmt: skip
     lay.add_argument("--ranks-per-node", type=_positive("--ranks-per-node"), default=None,
                      help="ranks per node of the ep group, for --dispatch (default: LOCAL_WORLD_SIZE)")  # fmt: skip
+    lay.add_argument("--reshard", type=int, choices=(0, 1), default=d.reshard,
+                     help="0: FSDP2 keeps each block gathered from forward to backward (plan's reshard=0)")  # fmt: skip
     lay.add_argument("--grad-accum", type=_positive("--grad-accum"), default=d.grad_accum,
                      help="without --pp: backward passes per step, over slices of each rank's rows")  # fmt: skip
     lay.add_argument("--layout", default=None,

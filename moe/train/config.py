@@ -39,7 +39,7 @@ class TrainConfig:
     z_loss_coef: float | None = None
     bias_update_rate: float | None = None  # top-k's aux-loss-free balancing bias step
     capacity_factor: float | None = None
-    from_hf: str | None = None  # a local transformers Llama folder: its shape and weights (the preset's ignored)
+    from_hf: str | None = None  # a local transformers Llama or Mixtral folder: its shape and weights
     upcycle: int | None = None  # experts each of its MLPs becomes (the layers --moe-every picks); None: dense
     # data
     data: str | None = None  # None: the Python standard library's source, byte-level
@@ -68,6 +68,8 @@ class TrainConfig:
     plot_every: int | None = None  # None: at every evaluation
     log_every: int = 10  # a plain progress line every N steps when stderr is not a terminal
     collective_timeout: int = 600  # seconds in one collective before the job ends (init_process_group)
+    log: str = "none"  # also log the metrics to: none, tensorboard, wandb (moe.train.loggers)
+    profile: int | None = None  # a torch.profiler trace of this many steps (after one warm-up step)
     data_changed_ok: bool = False  # this --resume may read data that differ from the run's
     # layout (world size = product; see moe.parallel.parallelize_llama / pipeline_llama)
     nproc: int = 1
@@ -80,9 +82,11 @@ class TrainConfig:
     pp_schedule: str = "1f1b"
     micro_batches: int | None = None  # None: pp (pipeline) or 1
     ac: str = "none"  # activation checkpointing of every block: none, full, selective (keeps matmul outputs)
+    compile: bool = False  # torch.compile each block (inductor; an expert-parallel MoE layer stays eager)
     dtype: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; bf16 / fp32 force it
     dispatch: str = "flat"  # expert-parallel dispatch: flat, hierarchical (two-level over nodes) or auto
     ranks_per_node: int | None = None  # the ep group's ranks per node (None: LOCAL_WORLD_SIZE)
+    reshard: int = 1  # FSDP2 reshard_after_forward; 0 (plan's reshard=0) keeps each block gathered until backward
     grad_accum: int = 1  # without pipeline stages: backward passes per step over slices of each rank's rows
 
     def to_dict(self) -> dict:
@@ -98,7 +102,7 @@ class TrainConfig:
 # as a whole (the fields not given take their defaults), so `--resume --nproc 1` is one process
 LAYOUT_FIELDS = (
     "nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "pp_schedule", "micro_batches", "dispatch",
-    "ranks_per_node",
+    "ranks_per_node", "reshard",
 )  # fmt: skip
 
 RESUME_KEEPS = (
@@ -179,6 +183,9 @@ def _hf_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
                 f"pass the checkpoint's tokenizer.json as --tokenizer"
             )
         over = {"max_seq_len": max(base.max_seq_len, cfg.seq_len)}
+        if base.moe is not None:  # a Mixtral: its routing is the checkpoint's, its losses may be set
+            losses = {k: getattr(cfg, k) for k in ("aux_loss_coef", "z_loss_coef", "capacity_factor")}
+            over["moe"] = replace(base.moe, **{k: v for k, v in losses.items() if v is not None})
         if cfg.upcycle is not None:
             over["moe"] = upcycle_template(cfg, base.dim, base.ffn_hidden_dim)
             over["moe_every"] = cfg.moe_every or 1

@@ -19,7 +19,7 @@ takes text files, ``.jsonl``, ``.parquet`` and ``datasets`` inputs or folders of
 Batches are a function of (seed, step) only: step s draws its B window starts from a generator
 seeded with (seed, s). The data position in a checkpoint is therefore just the step, a resumed
 run reads exactly what the uninterrupted one would, and every layout sees the same global batch
-(a data-parallel rank takes its contiguous slice of it).
+(a data-parallel rank reads only its contiguous slice of it).
 """
 
 from __future__ import annotations
@@ -129,18 +129,21 @@ class Corpus:
     num_files: int
     fingerprint: dict  # {relative path: "size sha1-prefix"}: see `moe.train.fingerprint`
 
-    def batch(self, step: int, seed: int, batch: int, seq_len: int) -> tuple[Tensor, Tensor]:
-        """The global batch of ``step``: inputs and next-token targets, both (B, S) int64."""
+    def batch(self, step: int, seed: int, batch: int, seq_len: int, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """The global batch of ``step``: inputs and next-token targets, both (B, S) int64, or only
+        its ``rows`` (a data-parallel rank's: the B window starts are drawn, only those windows
+        are read)."""
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.train) - seq_len - 1, (batch,), generator=gen).numpy()
-        return _windows(self.train, starts, seq_len)
+        return _windows(self.train, starts[rows], seq_len)
 
-    def val_batches(self, num: int, batch: int, seq_len: int):
-        """``num`` fixed held-out batches (evenly spaced windows, the same every evaluation)."""
+    def val_batches(self, num: int, batch: int, seq_len: int, rows: slice = slice(None)):
+        """``num`` fixed held-out batches (evenly spaced windows, the same every evaluation), or
+        their ``rows``."""
         n = len(self.val) - seq_len - 1
         starts = np.linspace(0, n, num * batch).astype(np.int64)
         for i in range(num):
-            yield _windows(self.val, starts[i * batch : (i + 1) * batch], seq_len)
+            yield _windows(self.val, starts[i * batch : (i + 1) * batch][rows], seq_len)
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[Tensor, Tensor]:

@@ -53,8 +53,17 @@ class Layout:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def local_batch(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.mesh is None else self.mesh.local_batch(t)
+    def rows(self, batch: int) -> slice:
+        """This rank's rows of a global batch of ``batch`` sequences: the d-th of Dp equal blocks,
+        the rows `LlamaMesh.local_batch` takes (pipeline and tensor ranks read the same), so
+        that a rank reads only its own windows of the data."""
+        if self.mesh is None:
+            return slice(0, batch)
+        dp = self.mesh.dp_size
+        if batch % dp:
+            raise ValueError(f"the batch size {batch} must be divisible by the {dp} dp ranks")
+        n = batch // dp
+        return slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
 
     def mean_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach() if self.mesh is None else self.mesh.mean_over_dp(t)
@@ -141,13 +150,14 @@ def parallelize(model: nn.Module, cfg, device: torch.device) -> tuple[nn.Module,
     # BASE balances over the whole ep group, as one process balances over the whole batch
     global_base = cfg.ep > 1 and moe is not None and moe.router == "base"
     blocks = dict(activation_checkpoint=False if cfg.ac == "none" else cfg.ac, dispatch=cfg.dispatch,
-                  ranks_per_node=cfg.ranks_per_node)  # fmt: skip
+                  ranks_per_node=cfg.ranks_per_node, compile=cfg.compile,
+                  reshard_after_forward=bool(cfg.reshard))  # fmt: skip
     if cfg.pp == 1:
         model = parallelize_llama(model, lm, ep=cfg.ep, etp=cfg.etp, global_base=global_base, **blocks)
         return model, Layout(lm)
     pipe = pipeline_llama(
         model, lm, schedule=PP_SCHEDULES[cfg.pp_schedule], microbatches=cfg.micro_batches or cfg.pp,
-        ep=cfg.ep, global_base=global_base, **blocks,
+        ep=cfg.ep, etp=cfg.etp, global_base=global_base, **blocks,
     )  # fmt: skip
     return StageView(pipe.models), Layout(lm, pipe)
 

@@ -37,8 +37,10 @@ from .config import TrainConfig, load_hf_model, model_config, run_tokenizer
 from .data import load_corpus, load_tokenizer
 from .distributed import clip_grad_norm, parallelize, setup
 from .fingerprint import data_changes
+from .loggers import open_logger
 from .manifest import DiskFullError, disk_full_message, read_run_config, warn
 from .metrics import LoadCounter, MetricsLog, moe_layer_keys, plot_run
+from .profiling import StepProfiler
 from .ranks import LAUNCHER_ENV, collective_failure, stop_message
 
 __all__ = ["Trainer", "lr_lambda", "train"]
@@ -100,8 +102,9 @@ class Trainer:
         keys = moe_layer_keys(self.model)  # of the whole model, before a pipeline cuts it
         if self.layout is None:  # launched by torchrun: the same model on every rank, then sharded
             self.model, self.layout = parallelize(self.model, cfg, self.device)
-        elif cfg.ac != "none":  # one process: what parallelize_llama does per block
-            checkpoint_and_compile(self.model, activation_checkpoint=cfg.ac)
+        elif cfg.ac != "none" or cfg.compile:  # one process: what parallelize_llama does per block
+            checkpoint_and_compile(self.model, activation_checkpoint=False if cfg.ac == "none" else cfg.ac,
+                                   compile=cfg.compile)  # fmt: skip
         self.pipe = self.layout.pipe
         moe = self.model_config.moe
         self.loads = LoadCounter(self.model, keys, moe.num_experts if moe else 0, self.device)
@@ -127,12 +130,9 @@ class Trainer:
         bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    def _local(self, t: torch.Tensor) -> torch.Tensor:
-        return self.layout.local_batch(t).to(self.device)
-
     def _lm_loss(self, inputs, targets):
         """This rank's mean cross entropy over its rows of the global batch."""
-        return self._cross_entropy(self._local(inputs), self._local(targets))
+        return self._cross_entropy(inputs, targets)
 
     def _cross_entropy(self, inputs_BS, targets_BS):
         with self._autocast():
@@ -160,10 +160,13 @@ class Trainer:
         for m in self._modules():
             m.eval()
         total, n = 0.0, 0
-        for inputs, targets in self.corpus.val_batches(self.cfg.eval_batches, self.cfg.batch, self.cfg.seq_len):
+        cfg = self.cfg
+        for inputs, targets in self.corpus.val_batches(
+            cfg.eval_batches, cfg.batch, cfg.seq_len, self.layout.rows(cfg.batch)
+        ):
             if self.pipe is not None:
                 with self._autocast():
-                    total += float(self.pipe.evaluate(self._local(inputs), self._local(targets)))
+                    total += float(self.pipe.evaluate(inputs.to(self.device), targets.to(self.device)))
             else:
                 total += float(self.layout.mean_over_dp(self._lm_loss(inputs, targets)))
             n += 1
@@ -174,16 +177,19 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg
-        inputs, targets = self.corpus.batch(self.step, cfg.seed, cfg.batch, cfg.seq_len)
+        # this rank's rows of the step's global batch (each data-parallel rank reads only its own)
+        rows = self.layout.rows(cfg.batch)
+        inputs, targets = self.corpus.batch(self.step, cfg.seed, cfg.batch, cfg.seq_len, rows)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         self.loads.reset()
         if self.pipe is not None:  # forward and backward of every micro-batch, losses meaned over dp
             with self._autocast():  # the schedule runs every micro-batch's forward and backward
-                self.pipe.step(self._local(inputs), self._local(targets))
+                self.pipe.step(inputs, targets)
             lm, aux = self.pipe.lm_loss, self.pipe.aux_loss
         else:  # --grad-accum N: N forward+backward passes over slices of this rank's rows, each 1/N
-            lm, aux = self._accumulate(self._local(inputs), self._local(targets), cfg.grad_accum)
+            lm, aux = self._accumulate(inputs, targets, cfg.grad_accum)
             lm, aux = self.layout.mean_over_dp(lm), self.layout.mean_over_dp(aux)
         if self.layout.mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -274,6 +280,10 @@ class Trainer:
             "active_params": self.model_config.num_active_params(),
             # how the MoE layers reach their experts on rank 0 (local, flat or two-level expert-parallel)
             "moe_dispatch": sorted({type(m.dispatcher).__name__ for m in self.model.modules() if isinstance(m, MoE)}),
+            # rank 0's part of an MoE layer's w1 (E, D, F): ep splits E, etp F, FSDP2 the first dim
+            "expert_shard": next(
+                (list(_local_shape(m.experts.w1)) for m in self.model.modules() if isinstance(m, MoE)), None
+            ),  # fmt: skip
             "command": self.argv,
         }
         tmp = self.run_dir / ".config.json.tmp"  # a kill while writing leaves the previous config.json
@@ -291,7 +301,11 @@ class Trainer:
             resumed_from = load_newest(self.run_dir, self.load, repoint=True, flag="--resume")
         if main:  # rank 0 alone writes the config, the metrics and the plots, and shows the bar
             self.write_config()
-        log = MetricsLog(self.run_dir, resume_step=self.step if cfg.resume else None) if main else None
+        log = None
+        if main:
+            resume_step = self.step if cfg.resume else None
+            mirror = open_logger(cfg.log, self.run_dir, cfg.to_dict(), resume_step)
+            log = MetricsLog(self.run_dir, resume_step=resume_step, mirror=mirror)
         self.layout.barrier()
         last = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         from tqdm.auto import tqdm
@@ -303,6 +317,7 @@ class Trainer:
         if resumed_from is not None and main:
             bar.write(f"resumed from {resumed_from} at step {self.step}")
         stop = _Stop()
+        profiler = StepProfiler(cfg.profile, self.run_dir, self.layout.rank, self.device) if cfg.profile else None
         plot_every = cfg.plot_every or cfg.eval_every
         failure = None  # why the run diverged (it then ends with exit 1, nothing written from it)
         try:
@@ -312,6 +327,8 @@ class Trainer:
                     log.write({"step": 0, "val_loss": val})
             while self.step < last:
                 record = self.train_step()
+                if profiler is not None:
+                    profiler.step()
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     record["val_loss"] = self.evaluate()
                 if main:
@@ -339,6 +356,8 @@ class Trainer:
         except NonFiniteError as err:
             failure = str(err)
         finally:
+            if profiler is not None:
+                profiler.close()
             bar.close()
             if log is not None:
                 log.close()
@@ -378,6 +397,10 @@ class Trainer:
         if flag.item() and stop.signum is None:
             stop.signum = int(flag.item())
         return bool(flag.item())
+
+
+def _local_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.to_local().shape if hasattr(t, "to_local") else t.shape)
 
 
 def _log_line(record: dict, steps: int, max_load: float) -> str:

@@ -115,9 +115,11 @@ def _rows(text: str) -> list[dict]:
 
 class MetricsLog:
     """Appends one JSON object per step to ``metrics.jsonl`` (a resumed run drops the lines
-    past the step it resumes from, and a torn last line, so the file reads as one run)."""
+    past the step it resumes from, and a torn last line, so the file reads as one run), and
+    passes each to ``mirror`` (the ``--log`` logger of `moe.train.loggers`) when there is one."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None = None, mirror=None) -> None:
+        self.mirror = mirror
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             kept = [row for row in _rows(self.path.read_text()) if row["step"] <= resume_step]
@@ -132,9 +134,13 @@ class MetricsLog:
             self._file.flush()
         except OSError as err:  # a write names no file: say which one
             raise OSError(err.errno, err.strerror, str(self.path)) from err
+        if self.mirror is not None:
+            self.mirror.write(record)
 
     def close(self) -> None:
         self._file.close()
+        if self.mirror is not None:
+            self.mirror.close()
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -60,15 +60,13 @@ def layout_options(text: str, world: int | None) -> tuple[dict, int]:
     for key, why in _UNSUPPORTED.items():
         if getattr(lay, key):
             raise ValueError(f"--layout {text!r}: {key}=1 is not run by the trainer ({why}); drop it")
-    if not lay.reshard:
-        raise ValueError(f"--layout {text!r}: reshard=0 is not run by the trainer (it reshards after forward)")
     if lay.precision == "fp8":
         raise ValueError(f"--layout {text!r}: precision=fp8 is not run by the trainer (bf16 on a GPU, fp32 on CPU)")
     if lay.vpp > 2:
         raise ValueError(f"--layout {text!r}: vpp={lay.vpp}: the trainer's interleaved schedule runs 2 stages per rank")
     schedule = {"interleaved_1f1b": "interleaved"}.get(lay.schedule, lay.schedule)
     opts = dict(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate,
-                pp_schedule=schedule, nproc=lay.world)  # fmt: skip
+                pp_schedule=schedule, nproc=lay.world, reshard=int(lay.reshard))  # fmt: skip
     if lay.recompute:  # the planner's recompute: every block re-run in backward
         opts["ac"] = "full"
     return opts, lay.micro_batch
@@ -148,7 +146,7 @@ def step_bytes(cfg: TrainConfig, mc: LlamaConfig, on_gpu: bool) -> tuple[int, in
     lay = Layout(
         tp=cfg.tp, pp=cfg.pp, vpp=2 if cfg.pp > 1 and interleaved else 1,
         schedule="interleaved_1f1b" if cfg.pp > 1 and interleaved else ("1f1b" if cfg.pp == 1 else cfg.pp_schedule),
-        ep=cfg.ep, etp=cfg.etp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate,
+        ep=cfg.ep, etp=cfg.etp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate, reshard=bool(cfg.reshard),
         precision="bf16" if on_gpu else "fp32", micro_batch=max(1, cfg.batch // dp // micro),
     )  # fmt: skip
     shape = TrainShape(seq_len=cfg.seq_len, global_batch_tokens=cfg.batch * cfg.seq_len)

@@ -10,20 +10,21 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--preset", "tiny", "--batch", "4", "--seq-len", "32", "--warmup", "2"]
 
 
-def env() -> dict:
-    e = dict(os.environ)
+def env(drop: tuple[str, ...] = ()) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in drop}
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["OMP_NUM_THREADS"] = "1"
     return e
 
 
-def moe(*args, check: bool = True, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
-    """``python -m moe ARGS``; with ``check`` a non-zero exit fails with the command's output."""
+def moe(*args, check: bool = True, timeout: float = 300, cwd=None, drop_env=()) -> subprocess.CompletedProcess:
+    """``python -m moe ARGS`` (without the variables ``drop_env``); with ``check`` a non-zero
+    exit fails with the command's output."""
     proc = subprocess.run(
         [sys.executable, "-m", "moe", *map(str, args)],
         capture_output=True,
         text=True,
-        env=env(),
+        env=env(drop_env),
         timeout=timeout,
         cwd=cwd or ROOT,
     )

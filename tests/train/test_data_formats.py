@@ -45,6 +45,39 @@ def test_token_stream_reads_windows_across_shards(tmp_path):
     assert np.array_equal(part[np.arange(len(part))], whole[100:-50])
 
 
+class _Recording(TokenStream):
+    """A TokenStream that records the positions read through it."""
+
+    def __init__(self, parts) -> None:
+        super().__init__(parts)
+        self.read: set[int] = set()
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice):
+            self.read.update(np.asarray(key).ravel().tolist())
+        return super().__getitem__(key)
+
+
+def test_a_data_parallel_rank_reads_only_its_rows(tmp_path):
+    """Corpus.batch(rows=) of each of 4 ranks is its block of the global batch (train and held
+    out), and reads only the positions of its own windows."""
+    from moe.train.data import Corpus
+
+    tokens = np.arange(5000) % 251
+    train, val = _Recording([tokens[:4000]]), _Recording([tokens[4000:]])
+    c = Corpus(train=train, val=val, source="test", num_files=1, fingerprint={})
+    whole = c.batch(7, 3, 8, 16)
+    (val_whole,) = c.val_batches(1, 8, 16)
+    for d in range(4):
+        rows = slice(2 * d, 2 * d + 2)
+        train.read, val.read = set(), set()
+        mine = c.batch(7, 3, 8, 16, rows)
+        assert all(x.equal(y[rows]) for x, y in zip(mine, whole, strict=True))
+        assert 0 < len(train.read) <= 2 * 17  # its 2 windows of S + 1 tokens, not the batch's 8
+        (val_mine,) = c.val_batches(1, 8, 16, rows)
+        assert all(x.equal(y[rows]) for x, y in zip(val_mine, val_whole, strict=True)) and len(val.read) == 2 * 17
+
+
 def test_tokenized_shards_equal_the_text_and_are_memory_mapped(tmp_path, capsys):
     text = _text_folder(tmp_path)
     assert main(["data", "tokenize", "--in", str(text), "--out", str(tmp_path / "s2"), "--workers", "2",

@@ -224,6 +224,34 @@ def test_activation_checkpointing_and_bf16_through_the_command(tmp_path, data, t
 
 
 @pytest.mark.slow
+def test_pp2_tp2_etp_without_reshard_gives_the_one_process_losses(tmp_path, data, topk_one):
+    """The kind of layout moe plan picks for the 1.2T preset on 1024 H200: expert-tensor
+    parallelism inside pipeline stages, FSDP2 keeping the blocks gathered (reshard=0)."""
+    run = tmp_path / "run"
+    moe("train", *TOPK, "--data", data, "--out", run, "--layout", "tp=2,pp=2,etp=1,reshard=0", "--stop-at", 2)
+    _same(_metrics(run), topk_one, "tp=2,pp=2,etp=1,reshard=0")
+    saved = json.loads((run / "config.json").read_text())["train"]
+    assert (saved["tp"], saved["pp"], saved["etp"], saved["reshard"]) == (2, 2, True, 0)
+    assert json.loads((run / "config.json").read_text())["expert_shard"] == [4, 64, 48]  # F=96 split over tp
+
+
+def test_reshard_0_gives_the_one_process_losses(tmp_path, data, topk_one):
+    run = tmp_path / "run"
+    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 2, "--reshard", 0, "--stop-at", 2)
+    _same(_metrics(run), topk_one, "--nproc 2 --reshard 0")
+
+
+@pytest.mark.slow  # inductor compiles each block for about 40 s on CPU
+def test_compile_gives_the_eager_losses(tmp_path, data, topk_one):
+    """--compile: the blocks compiled by inductor (the MoE layer whole, in one process) train
+    as eager does, with the z-loss alone (--aux-loss-coef 0 once made the backward raise)."""
+    run = tmp_path / "compiled"
+    moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 2, "--compile")
+    _same(_metrics(run), topk_one, "--compile")
+    assert json.loads((run / "config.json").read_text())["train"]["compile"] is True
+
+
+@pytest.mark.slow
 def test_ep4_as_two_nodes_of_two_gives_the_one_process_losses(tmp_path, data, topk_one):
     run = tmp_path / "run"
     moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 4, "--ep", 4, "--dispatch", "hierarchical",

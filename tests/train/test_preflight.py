@@ -126,6 +126,8 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
          ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--micro-batches", "2"]),
         (Layout(dp_shard=2, dp_replicate=2), ["--nproc", "4", "--dp-replicate", "2"]),
         (Layout(tp=2, dp_shard=2, recompute=True), ["--nproc", "4", "--tp", "2", "--ac", "full"]),
+        (Layout(pp=2, tp=2, etp=True, reshard=False, micro_batch=4),  # the 1.2T pick's kind: etp in stages
+         ["--nproc", "4", "--pp", "2", "--tp", "2", "--etp", "--reshard", "0", "--micro-batches", "2"]),
     ]  # fmt: skip
     for lay, flags in cases:
         text = lay.short()
@@ -133,7 +135,6 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
     # dp_shard left out: what --nproc leaves, as the planner derives it from --gpus
     assert _resolved([*base, "--layout", "tp=2", "--nproc", "4"])["dp_shard"] == 2
     bad = [
-        ("tp=2,reshard=0", "reshard=0 is not run by the trainer"),
         ("tp=2,precision=fp8", "precision=fp8 is not run"),
         ("pp=2,micro_batch=3", "micro_batch=3 must divide the 8 sequences"),
         ("tp=2,dp_shard=2", "must multiply to the world size 2"),  # with --nproc 2

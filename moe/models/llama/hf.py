@@ -52,9 +52,8 @@ def _need(cond: bool, msg: str) -> None:
 def config_from_hf(hf: dict | object, **overrides) -> LlamaConfig:
     """A `LlamaConfig` of the same shape as a transformers Llama config (object or dict)."""
     d = hf if isinstance(hf, dict) else hf.to_dict()
-    _need(
-        d.get("model_type", "llama") == "llama", f"only Llama checkpoints load, got model_type={d.get('model_type')!r}"
-    )
+    kind = d.get("model_type", "llama")
+    _need(kind in ("llama", "mixtral"), f"only Llama and Mixtral checkpoints load, got model_type={kind!r}")
     _need(
         d.get("hidden_act", "silu") == "silu", f"only SiLU (SwiGLU) MLPs load, got hidden_act={d.get('hidden_act')!r}"
     )
@@ -67,8 +66,8 @@ def config_from_hf(hf: dict | object, **overrides) -> LlamaConfig:
         f"head_dim must be hidden_size / num_attention_heads = {head_dim}, got {d.get('head_dim')}",
     )
     rope = d.get("rope_parameters") or {"rope_theta": d.get("rope_theta", 10000.0), **(d.get("rope_scaling") or {})}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    _need(kind == "default", f"only unscaled RoPE loads (Llama-2), got rope_type={kind!r}")
+    rope_kind = rope.get("rope_type", rope.get("type", "default"))
+    _need(rope_kind == "default", f"only unscaled RoPE loads (Llama-2), got rope_type={rope_kind!r}")
     cfg = dict(
         dim=d["hidden_size"],
         n_layers=d["num_hidden_layers"],
@@ -80,7 +79,23 @@ def config_from_hf(hf: dict | object, **overrides) -> LlamaConfig:
         rope_theta=rope.get("rope_theta", 10000.0),
         max_seq_len=d.get("max_position_embeddings", 4096),
     )
+    if kind == "mixtral":
+        cfg.update(moe=_mixtral_moe(d), moe_every=1)
     return LlamaConfig(**{**cfg, **overrides})
+
+
+def _mixtral_moe(d: dict) -> MoEConfig:
+    """A Mixtral config's sparse MoE block as an `MoEConfig` (as `moe.adapters.hf.from_mixtral`):
+    softmax top-k with renormalised weights over SwiGLU experts, its aux loss coefficient."""
+    _need(not d.get("router_jitter_noise"), f"router_jitter_noise={d.get('router_jitter_noise')} has no MoE "
+          "equivalent (Mixtral scales its input by uniform noise in training); set it to 0 to load")  # fmt: skip
+    window = d.get("sliding_window")
+    _need(window is None, f"sliding_window={window}: only full causal attention loads (Mixtral's default)")
+    return MoEConfig(
+        dim=d["hidden_size"], hidden_dim=d["intermediate_size"], num_experts=d["num_local_experts"],
+        top_k=d["num_experts_per_tok"], router="topk", router_options={"score_func": "softmax", "renormalize": True},
+        aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),
+    )  # fmt: skip
 
 
 def _read(model_or_path) -> tuple[dict, dict[str, Tensor]]:
@@ -112,7 +127,9 @@ def _moe_template(moe, dim: int, hidden: int) -> MoEConfig | None:
 
 
 def from_hf(model_or_path, *, model_cls, moe=None, noise: float = 0.0, seed: int = 0, dtype=None, **overrides):
-    """A ``model_cls`` (`Llama`) with the weights of a transformers ``LlamaForCausalLM``.
+    """A ``model_cls`` (`Llama`) with the weights of a transformers ``LlamaForCausalLM``, or of a
+    ``MixtralForCausalLM`` (every layer an MoE with the checkpoint's router and experts; ``moe``
+    may then change only what is not loaded, such as the loss coefficients).
 
     - ``moe``: an `MoEConfig` or a dict of its fields (``dim``, ``hidden_dim`` default to the
       checkpoint's); with ``moe_every`` / ``first_dense_layers`` in ``overrides`` it picks the
@@ -134,8 +151,15 @@ def from_hf(model_or_path, *, model_cls, moe=None, noise: float = 0.0, seed: int
     hf_cfg, state = _read(model_or_path)
     base = config_from_hf(hf_cfg)
     template = _moe_template(moe, base.dim, base.ffn_hidden_dim)
+    if base.moe is not None:  # a Mixtral: its experts are loaded, and only their loss options may change
+        template = template or base.moe
+        _need(
+            template.num_experts == base.moe.num_experts and template.hidden_dim == base.moe.hidden_dim,
+            f"the checkpoint has {base.moe.num_experts} experts of width {base.moe.hidden_dim}; moe asks for "
+            f"{template.num_experts} of {template.hidden_dim}",
+        )
     config = config_from_hf(hf_cfg, moe=template, **overrides)
-    if template is not None:
+    if template is not None and base.moe is None:
         _need(
             template.hidden_dim == base.ffn_hidden_dim and template.activation == "swiglu",
             f"upcycling copies the dense SwiGLU MLP: moe needs hidden_dim={base.ffn_hidden_dim} and "
@@ -174,14 +198,20 @@ def _load(model: nn.Module, config: LlamaConfig, state: dict[str, Tensor], noise
         used.add(key)
         return state[key]
 
+    take.state = state
+
     model.tok_embeddings.weight.copy_(take("model.embed_tokens.weight"))
     model.norm.weight.copy_(take("model.norm.weight"))
     model.output.weight.copy_(take("lm_head.weight"))
     for i, block in model.layers.items():
         for ours, theirs in _LAYER_KEYS.items():
             block.get_parameter(ours).copy_(take(f"model.layers.{i}.{theirs}"))
-        mlp = {name: take(f"model.layers.{i}.{key}") for name, key in _MLP_KEYS.items()}
         ff = block.feed_forward
+        if any(f"model.layers.{i}.{k}.gate.weight" in state for k in ("block_sparse_moe", "mlp")):  # Mixtral
+            _need(block.is_moe, f"layer {i} of the checkpoint is MoE, of the model dense")
+            _load_mixtral_layer(ff, i, take)
+            continue
+        mlp = {name: take(f"model.layers.{i}.{key}") for name, key in _MLP_KEYS.items()}
         if not block.is_moe:
             for name, w in mlp.items():
                 getattr(ff, name).weight.copy_(w)
@@ -194,6 +224,24 @@ def _load(model: nn.Module, config: LlamaConfig, state: dict[str, Tensor], noise
                 target.add_((torch.randn(target.shape, generator=gen, device=target.device) * scale).to(target.dtype))
     unused = sorted(set(state) - used)
     _need(not unused, f"the checkpoint has weights this Llama has no place for: {unused[:8]}")
+
+
+def _load_mixtral_layer(ff: MoE, i: int, take) -> None:
+    """A Mixtral layer's router and experts (nn.Linear layout, one set per expert, as
+    transformers saves them) into ``ff``: w1 / w3 (F, D) -> (E, D, F), w2 (D, F) -> (E, F, D)."""
+    if f"model.layers.{i}.mlp.gate.weight" in take.state:  # transformers' in-memory layout: fused, (E, 2F, D)
+        ff.router.weight.copy_(take(f"model.layers.{i}.mlp.gate.weight"))
+        gate_up, f = take(f"model.layers.{i}.mlp.experts.gate_up_proj"), ff.experts.w1.shape[-1]
+        ff.experts.w1.copy_(gate_up[:, :f].transpose(1, 2))
+        ff.experts.w3.copy_(gate_up[:, f:].transpose(1, 2))
+        ff.experts.w2.copy_(take(f"model.layers.{i}.mlp.experts.down_proj").transpose(1, 2))
+        return
+    prefix = f"model.layers.{i}.block_sparse_moe"
+    ff.router.weight.copy_(take(f"{prefix}.gate.weight"))
+    for name in ("w1", "w2", "w3"):
+        target = getattr(ff.experts, name)
+        for e in range(target.shape[0]):
+            target[e].copy_(take(f"{prefix}.experts.{e}.{name}.weight").t())
 
 
 def _full(t: Tensor) -> Tensor:
