@@ -109,10 +109,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+CHUNKS = (1, 2, 4)
+
+
+def _exchanges(ep: int, tp: int, gpus_per_node: int, etp: bool) -> list[tuple[str, int]]:
+    """(dispatch, chunks) worth trying: none without ep; the two-level dispatcher only when the
+    ep group spans nodes (inside one it is the flat one plus a stage) and without etp."""
+    if ep == 1:
+        return [("flat", 1)]
+    dispatches = ("flat", "hierarchical") if ep * tp > gpus_per_node and not etp else ("flat",)
+    return [(d, c) for d in dispatches for c in CHUNKS]
+
+
 def candidates(cfg: LlamaConfig, gpus: int, gpus_per_node: int, precision: str, micro_batch: int = 1):
     """Every layout worth trying: tp within a node dividing the heads, any pp up to the layers,
     dp_replicate 1 or 2, ep dividing the experts and dp_shard, etp, interleaving (2 stages per
-    rank), recompute and reshard-after-forward on and off."""
+    rank), recompute and reshard-after-forward on and off, and under ep the flat or (across
+    nodes) two-level dispatch with 1, 2 or 4 chunks."""
     heads = math.gcd(cfg.n_heads, cfg.n_kv_heads)
     moe = cfg.moe is not None
     for tp in [d for d in _divisors(min(gpus, gpus_per_node)) if heads % d == 0 and gpus % d == 0]:
@@ -125,11 +138,12 @@ def candidates(cfg: LlamaConfig, gpus: int, gpus_per_node: int, precision: str, 
                 for ep, etp, vpp, rc, rs in itertools.product(eps, (False, True), (1, 2), (False, True), (True, False)):
                     if (etp and (tp == 1 or not moe)) or (vpp == 2 and (pp == 1 or 2 * pp > cfg.n_layers)):
                         continue
-                    yield Layout(
-                        tp=tp, pp=pp, vpp=vpp, schedule="interleaved_1f1b" if vpp == 2 else "1f1b", ep=ep, etp=etp,
-                        dp_shard=shard, dp_replicate=rep, recompute=rc, precision=precision,
-                        micro_batch=micro_batch, reshard=rs,
-                    )  # fmt: skip
+                    for dispatch, chunks in _exchanges(ep, tp, gpus_per_node, etp):
+                        yield Layout(
+                            tp=tp, pp=pp, vpp=vpp, schedule="interleaved_1f1b" if vpp == 2 else "1f1b", ep=ep,
+                            etp=etp, dp_shard=shard, dp_replicate=rep, recompute=rc, precision=precision,
+                            micro_batch=micro_batch, reshard=rs, dispatch=dispatch, chunks=chunks,
+                        )  # fmt: skip
 
 
 def search(cfg, shape, gpu, gpus, gpus_per_node=8, precision="bf16", micro_batch=1) -> list[Plan]:
@@ -143,7 +157,8 @@ def _distance(a: Layout, b: Layout) -> float:
     d = 0.0
     for f in ("tp", "pp", "vpp", "ep", "dp_shard", "dp_replicate", "micro_batch"):
         d += abs(math.log2(getattr(a, f)) - math.log2(getattr(b, f)))
-    for f in ("etp", "recompute", "reshard", "schedule", "precision"):
+    d += abs(math.log2(a.chunks) - math.log2(b.chunks))
+    for f in ("etp", "recompute", "reshard", "schedule", "precision", "dispatch"):
         d += 0.5 * (getattr(a, f) != getattr(b, f))
     return d
 

@@ -9,8 +9,9 @@ Overlap assumptions (the same for every layout):
   peak; quantisation and scaling keep fp8 GEMMs further from their peak), attention at
   `Efficiency.attention` of the bf16 peak, elementwise traffic at `Efficiency.hbm` of HBM
   bandwidth; one after the other.
-- TP / SP collectives and the EP all-to-alls are on the critical path (not overlapped), as in
-  `parallelize_llama` (DTensor redistributes and the dispatcher wait on their results).
+- TP / SP collectives are on the critical path (DTensor redistributes wait on their results);
+  the EP exchange too, except what the chunked dispatcher hides behind the experts' GEMMs
+  (`dispatch_time`: bytes of the flat and two-level dispatchers, overlap of ``chunks``).
 - FSDP all-gathers / reduce-scatters, the HSDP all-reduce and the pipeline's send/recv
   (asynchronous in torch.distributed.pipelining) overlap with compute; only what exceeds the
   step's compute is exposed. The bubble adds (P - 1) / (Vs M) of the busy time.
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
+from .dispatch_time import ep_layer, exchange_s, exposed
 from .hardware import EFFICIENCY, GPU, Efficiency
 from .layout import Layout
 from .memory import TrainShape, _kinds, _routed_rows
@@ -75,6 +77,14 @@ def _layer_flops(cfg: LlamaConfig, lay: Layout, i: int, T: int, S: int) -> tuple
     return gemm * passes, attn * passes, elem * passes
 
 
+def _expert_flops(cfg: LlamaConfig, lay: Layout, T: int) -> float:
+    """FLOPs of one forward of a layer's routed experts for one micro-batch on one rank: the
+    compute the chunked exchange can hide behind."""
+    m = cfg.moe
+    mats = 3 if m.activation == "swiglu" else 2
+    return 2 * _routed_rows(cfg, T) * mats * cfg.dim * m.hidden_dim / (lay.tp if lay.etp else 1)
+
+
 def _group_bw(gpu: GPU, eff: Efficiency, span: int, gpn: int) -> float:
     """Bandwidth of a collective whose group spans ``span`` consecutive ranks."""
     return gpu.nvlink_bw * eff.nvlink if span <= gpn else gpu.net_bw * eff.net
@@ -96,12 +106,15 @@ def step_time(
     flops = {kind: _layer_flops(cfg, lay, i, T, S) for kind, i in _kinds(cfg)}
     n_coll = 12 if lay.recompute else 8  # AG + RS before/after attention and MLP, forward + backward
     tp_layer = n_coll * (lay.tp - 1) / lay.tp * T * D * a if lay.tp > 1 else 0.0
-    ep_in_layer = ep_out_layer = 0.0
+    ep_in_layer = ep_out_layer = ep_layer_s = 0.0
     if cfg.moe is not None and lay.ep > 1:
+        intra, inter = ep_layer(cfg, lay, T, _routed_rows(cfg, T), a, gpn)
         n_a2a = 6 if lay.recompute else 4  # dispatch + combine, forward and backward
-        buf = n_a2a * _routed_rows(cfg, T) * D * a
-        local = min(lay.ep, max(1, gpn // lay.tp))  # ep peers in my node (they are tp ranks apart)
-        ep_in_layer, ep_out_layer = buf * (local - 1) / lay.ep, buf * (lay.ep - local) / lay.ep
+        ep_in_layer, ep_out_layer = n_a2a * intra, n_a2a * inter
+        pair_s = 2 * exchange_s(lay, intra, inter, gpu.nvlink_bw * eff.nvlink, gpu.net_bw * eff.net)
+        experts_s = _expert_flops(cfg, lay, T) / peak  # one forward of the routed experts
+        forwards = 2 if lay.recompute else 1
+        ep_layer_s = forwards * exposed(pair_s, experts_s, lay.chunks) + exposed(pair_s, 2 * experts_s, lay.chunks)
 
     # per micro-batch time of each pipeline rank (all its virtual stages); the slowest sets the pace
     c = lay.coords(0)
@@ -121,7 +134,7 @@ def step_time(
                 gemm += 3 * 2 * T * D * cfg.vocab_size / lay.tp
         compute = gemm / peak + attn / (gpu.bf16_flops * eff.attention) + elem / (gpu.hbm_bw * eff.hbm)
         tp_s = tp_bytes / _group_bw(gpu, eff, lay.tp, gpn)
-        ep_s = max(ep_in / (gpu.nvlink_bw * eff.nvlink), ep_out / (gpu.net_bw * eff.net))
+        ep_s = sum(summaries[s].moe_layers for s in stages) * ep_layer_s
         per_rank.append((compute + tp_s + ep_s, compute, tp_s, ep_s, gemm + attn, tp_bytes, ep_in, ep_out))
     slow = max(per_rank, key=lambda r: r[0])
     mb_s, compute_mb, tp_mb, ep_mb, flops_mb, tp_b, ep_in, ep_out = slow
