@@ -80,6 +80,8 @@ def test_chunks_hide_what_the_experts_cover():
     ]
     exposed_s = [t.exposed_s["ep_all_to_all"] for t in ep]
     assert exposed_s == sorted(exposed_s, reverse=True) and len(set(exposed_s)) == 4
+    total = [t.exposed_s["ep_all_to_all"] + t.overlapped_s["ep_all_to_all_hidden"] for t in ep[1:]]
+    assert total == pytest.approx([total[0]] * 3) and ep[1].overlapped_s["ep_all_to_all_hidden"] == 0  # same bytes
     assert ep[1].bytes_per_rank["ep_all_to_all_inter_node"] == pytest.approx(
         ep[0].bytes_per_rank["ep_all_to_all_inter_node"] / 2
     )  # 4 nodes x 7/8 against 8 rows x 56/64
