@@ -6,7 +6,7 @@ M micro-batches, P pipeline ranks, Vs stages per pipeline rank, Tp tensor ranks,
 
 Overlap assumptions (the same for every layout):
 - Compute: GEMMs at `Efficiency.gemm` of the bf16 peak (fp8: `Efficiency.gemm_fp8` of the fp8
-  peak; quantisation and scaling keep fp8 GEMMs further from their peak), attention at
+  peak; both fitted, `moe.plan.calibrate`), attention at
   `Efficiency.attention` of the bf16 peak, elementwise traffic at `Efficiency.hbm` of HBM
   bandwidth; one after the other.
 - TP / SP collectives are on the critical path (DTensor redistributes wait on their results);
