@@ -45,7 +45,7 @@ class Plan:
         return out
 
 
-def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int) -> None:
+def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int, gpus_per_node: int = 8) -> None:
     """Raise ValueError saying what is wrong with ``lay`` for this model, batch and GPU count
     (the checks `parallelize_llama` / `pipeline_llama` would make, before any memory)."""
     if lay.world != gpus:
@@ -63,6 +63,11 @@ def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int) ->
         raise ValueError(f"ep={lay.ep} does not divide num_experts={cfg.moe.num_experts}")
     if lay.etp and cfg.moe.hidden_dim % lay.tp:
         raise ValueError(f"etp: tp={lay.tp} does not divide the expert hidden_dim={cfg.moe.hidden_dim}")
+    local = max(1, gpus_per_node // lay.tp)  # ep ranks per node (the ep peers are tp ranks apart)
+    if lay.dispatch == "hierarchical" and lay.ep > local and lay.ep % local:
+        raise ValueError(
+            f"dispatch=hierarchical: the {local} ep ranks per node (gpus_per_node / tp) must divide ep={lay.ep}"
+        )
     if lay.num_stages > cfg.n_layers:
         raise ValueError(f"pp * vpp = {lay.num_stages} stages exceed the model's {cfg.n_layers} layers")
     if lay.dp == 1 and lay.precision != "fp32":
@@ -78,7 +83,7 @@ def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int) ->
 def evaluate(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpu: GPU, gpus: int, gpus_per_node: int = 8) -> Plan:
     """The plan of one layout: invalid (reason), too large (reason, memory) or fitting (memory, time)."""
     try:
-        check_layout(cfg, lay, shape, gpus)
+        check_layout(cfg, lay, shape, gpus, gpus_per_node)
     except ValueError as e:
         return Plan(lay, False, str(e))
     cache: dict = {("model_flops", shape.seq_len): _model_flops(cfg, shape.seq_len)}
@@ -117,7 +122,9 @@ def _exchanges(ep: int, tp: int, gpus_per_node: int, etp: bool) -> list[tuple[st
     ep group spans nodes (inside one it is the flat one plus a stage) and without etp."""
     if ep == 1:
         return [("flat", 1)]
-    dispatches = ("flat", "hierarchical") if ep * tp > gpus_per_node and not etp else ("flat",)
+    local = max(1, gpus_per_node // tp)
+    two_level = ep > local and ep % local == 0 and not etp
+    dispatches = ("flat", "hierarchical") if two_level else ("flat",)
     return [(d, c) for d in dispatches for c in CHUNKS]
 
 

@@ -17,7 +17,7 @@ from moe.plan.hardware import EFFICIENCY, GPUS, Efficiency
 from moe.plan.layout import Layout, parse_layout
 from moe.plan.memory import TrainShape
 from moe.plan.runs import RUNS
-from moe.plan.search import candidates
+from moe.plan.search import candidates, check_layout
 from moe.plan.time import step_time
 
 from ..train.run import TINY, corpus, moe
@@ -96,6 +96,14 @@ def test_layout_dispatch_and_chunks():
         Layout(tp=2, ep=2, dp_shard=2, etp=True, dispatch="hierarchical")
     with pytest.raises(ValueError, match="dispatch must be one of"):
         Layout(ep=2, dp_shard=2, dispatch="ring")
+
+
+def test_two_level_needs_whole_nodes():
+    cfg = LlamaConfig.from_name("deepseek-v3-like")
+    shape = TrainShape(seq_len=4096, global_batch_tokens=4096 * 64)
+    with pytest.raises(ValueError, match="ep ranks per node"):
+        check_layout(cfg, Layout(ep=16, dp_shard=32, dispatch="hierarchical"), shape, 32, gpus_per_node=6)
+    check_layout(cfg, Layout(ep=16, dp_shard=32, dispatch="hierarchical"), shape, 32, gpus_per_node=8)
 
 
 def test_search_considers_dispatch_and_chunks():
