@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["PRECISIONS", "SCHEDULES", "Layout", "parse_layout"]
+__all__ = ["DISPATCHES", "PRECISIONS", "SCHEDULES", "Layout", "parse_layout"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("bf16", "fp8", "fp32")
-_INTS = ("tp", "pp", "vpp", "ep", "dp_shard", "dp_replicate", "micro_batch")
+DISPATCHES = ("flat", "hierarchical")  # parallelize_moe's dispatch= ("auto" resolves to one of these)
+_INTS = ("tp", "pp", "vpp", "ep", "dp_shard", "dp_replicate", "micro_batch", "chunks")
 _BOOLS = ("etp", "recompute", "loss_parallel", "reshard")
+_STRS = ("schedule", "precision", "dispatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,8 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch
     loss_parallel: bool = False
     reshard: bool = True  # parallelize_llama's reshard_after_forward (False: ZeRO-2-like, one gather a step)
+    dispatch: str = "flat"  # expert-parallel dispatcher: "flat" (a copy per (token, expert)) or "hierarchical"
+    chunks: int = 1  # rows split in C chunks, one chunk's all-to-all in flight behind another's experts
 
     def __post_init__(self) -> None:
         for name in _INTS:
@@ -46,6 +50,8 @@ class Layout:
                 raise ValueError(f"layout {name} must be a positive int, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"layout schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"layout dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"layout precision must be one of {PRECISIONS}, got {self.precision!r}")
         if (self.vpp >= 2) != (self.schedule == "interleaved_1f1b"):
@@ -54,6 +60,14 @@ class Layout:
             raise ValueError(
                 f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism is folded onto the "
                 f"dp_shard ranks (dp_shard counts them)"
+            )
+        if (self.dispatch != "flat" or self.chunks > 1) and self.ep == 1:
+            raise ValueError(
+                f"dispatch={self.dispatch} and chunks={self.chunks} shape the expert-parallel exchange, but ep=1"
+            )
+        if self.dispatch == "hierarchical" and self.etp:
+            raise ValueError(
+                "dispatch=hierarchical does not shard experts over tp (parallelize_moe refuses etp with it)"
             )
         if (self.etp or self.loss_parallel) and self.tp == 1:
             raise ValueError(f"etp and loss_parallel shard over tp, but tp=1 (etp={self.etp})")
@@ -134,10 +148,10 @@ def parse_layout(text: str, gpus: int | None = None) -> Layout:
             if value.lower() not in ("0", "1", "true", "false", "on", "off"):
                 raise ValueError(f"layout {key} must be 0/1/true/false/on/off, got {value!r}")
             fields[key] = value.lower() in ("1", "true", "on")
-        elif key in ("schedule", "precision"):
+        elif key in _STRS:
             fields[key] = value
         else:
-            raise ValueError(f"unknown layout key {key!r}; known: {sorted(_INTS + _BOOLS + ('schedule', 'precision'))}")
+            raise ValueError(f"unknown layout key {key!r}; known: {sorted(_INTS + _BOOLS + _STRS)}")
     if fields.get("vpp", 1) >= 2 and "schedule" not in fields:
         fields["schedule"] = "interleaved_1f1b"
     if fields.get("schedule") == "interleaved_1f1b" and "vpp" not in fields:

@@ -45,7 +45,7 @@ class Plan:
         return out
 
 
-def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int) -> None:
+def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int, gpus_per_node: int = 8) -> None:
     """Raise ValueError saying what is wrong with ``lay`` for this model, batch and GPU count
     (the checks `parallelize_llama` / `pipeline_llama` would make, before any memory)."""
     if lay.world != gpus:
@@ -63,6 +63,11 @@ def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int) ->
         raise ValueError(f"ep={lay.ep} does not divide num_experts={cfg.moe.num_experts}")
     if lay.etp and cfg.moe.hidden_dim % lay.tp:
         raise ValueError(f"etp: tp={lay.tp} does not divide the expert hidden_dim={cfg.moe.hidden_dim}")
+    local = max(1, gpus_per_node // lay.tp)  # ep ranks per node (the ep peers are tp ranks apart)
+    if lay.dispatch == "hierarchical" and lay.ep > local and lay.ep % local:
+        raise ValueError(
+            f"dispatch=hierarchical: the {local} ep ranks per node (gpus_per_node / tp) must divide ep={lay.ep}"
+        )
     if lay.num_stages > cfg.n_layers:
         raise ValueError(f"pp * vpp = {lay.num_stages} stages exceed the model's {cfg.n_layers} layers")
     if lay.dp == 1 and lay.precision != "fp32":
@@ -78,7 +83,7 @@ def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int) ->
 def evaluate(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpu: GPU, gpus: int, gpus_per_node: int = 8) -> Plan:
     """The plan of one layout: invalid (reason), too large (reason, memory) or fitting (memory, time)."""
     try:
-        check_layout(cfg, lay, shape, gpus)
+        check_layout(cfg, lay, shape, gpus, gpus_per_node)
     except ValueError as e:
         return Plan(lay, False, str(e))
     cache: dict = {("model_flops", shape.seq_len): _model_flops(cfg, shape.seq_len)}
@@ -109,10 +114,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+CHUNKS = (1, 2, 4)
+
+
+def _exchanges(ep: int, tp: int, gpus_per_node: int, etp: bool) -> list[tuple[str, int]]:
+    """(dispatch, chunks) worth trying: none without ep; the two-level dispatcher only when the
+    ep group spans nodes (inside one it is the flat one plus a stage) and without etp."""
+    if ep == 1:
+        return [("flat", 1)]
+    local = max(1, gpus_per_node // tp)
+    two_level = ep > local and ep % local == 0 and not etp
+    dispatches = ("flat", "hierarchical") if two_level else ("flat",)
+    return [(d, c) for d in dispatches for c in CHUNKS]
+
+
 def candidates(cfg: LlamaConfig, gpus: int, gpus_per_node: int, precision: str, micro_batch: int = 1):
     """Every layout worth trying: tp within a node dividing the heads, any pp up to the layers,
     dp_replicate 1 or 2, ep dividing the experts and dp_shard, etp, interleaving (2 stages per
-    rank), recompute and reshard-after-forward on and off."""
+    rank), recompute and reshard-after-forward on and off, and under ep the flat or (across
+    nodes) two-level dispatch with 1, 2 or 4 chunks."""
     heads = math.gcd(cfg.n_heads, cfg.n_kv_heads)
     moe = cfg.moe is not None
     for tp in [d for d in _divisors(min(gpus, gpus_per_node)) if heads % d == 0 and gpus % d == 0]:
@@ -125,11 +145,12 @@ def candidates(cfg: LlamaConfig, gpus: int, gpus_per_node: int, precision: str, 
                 for ep, etp, vpp, rc, rs in itertools.product(eps, (False, True), (1, 2), (False, True), (True, False)):
                     if (etp and (tp == 1 or not moe)) or (vpp == 2 and (pp == 1 or 2 * pp > cfg.n_layers)):
                         continue
-                    yield Layout(
-                        tp=tp, pp=pp, vpp=vpp, schedule="interleaved_1f1b" if vpp == 2 else "1f1b", ep=ep, etp=etp,
-                        dp_shard=shard, dp_replicate=rep, recompute=rc, precision=precision,
-                        micro_batch=micro_batch, reshard=rs,
-                    )  # fmt: skip
+                    for dispatch, chunks in _exchanges(ep, tp, gpus_per_node, etp):
+                        yield Layout(
+                            tp=tp, pp=pp, vpp=vpp, schedule="interleaved_1f1b" if vpp == 2 else "1f1b", ep=ep,
+                            etp=etp, dp_shard=shard, dp_replicate=rep, recompute=rc, precision=precision,
+                            micro_batch=micro_batch, reshard=rs, dispatch=dispatch, chunks=chunks,
+                        )  # fmt: skip
 
 
 def search(cfg, shape, gpu, gpus, gpus_per_node=8, precision="bf16", micro_batch=1) -> list[Plan]:
@@ -143,7 +164,8 @@ def _distance(a: Layout, b: Layout) -> float:
     d = 0.0
     for f in ("tp", "pp", "vpp", "ep", "dp_shard", "dp_replicate", "micro_batch"):
         d += abs(math.log2(getattr(a, f)) - math.log2(getattr(b, f)))
-    for f in ("etp", "recompute", "reshard", "schedule", "precision"):
+    d += abs(math.log2(a.chunks) - math.log2(b.chunks))
+    for f in ("etp", "recompute", "reshard", "schedule", "precision", "dispatch"):
         d += 0.5 * (getattr(a, f) != getattr(b, f))
     return d
 

@@ -6,11 +6,12 @@ M micro-batches, P pipeline ranks, Vs stages per pipeline rank, Tp tensor ranks,
 
 Overlap assumptions (the same for every layout):
 - Compute: GEMMs at `Efficiency.gemm` of the bf16 peak (fp8: `Efficiency.gemm_fp8` of the fp8
-  peak; quantisation and scaling keep fp8 GEMMs further from their peak), attention at
+  peak; both fitted, `moe.plan.calibrate`), attention at
   `Efficiency.attention` of the bf16 peak, elementwise traffic at `Efficiency.hbm` of HBM
   bandwidth; one after the other.
-- TP / SP collectives and the EP all-to-alls are on the critical path (not overlapped), as in
-  `parallelize_llama` (DTensor redistributes and the dispatcher wait on their results).
+- TP / SP collectives are on the critical path (DTensor redistributes wait on their results);
+  the EP exchange too, except what the chunked dispatcher hides behind the experts' GEMMs
+  (`dispatch_time`: bytes of the flat and two-level dispatchers, overlap of ``chunks``).
 - FSDP all-gathers / reduce-scatters, the HSDP all-reduce and the pipeline's send/recv
   (asynchronous in torch.distributed.pipelining) overlap with compute; only what exceeds the
   step's compute is exposed. The bubble adds (P - 1) / (Vs M) of the busy time.
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
+from .dispatch_time import ep_layer, exchange_s, exposed
 from .hardware import EFFICIENCY, GPU, Efficiency
 from .layout import Layout
 from .memory import TrainShape, _kinds, _routed_rows
@@ -43,7 +45,7 @@ class StepTime:
     compute_s: float  # per step on the busiest pipeline rank, no bubble
     bubble_s: float
     exposed_s: dict[str, float]  # communication on the critical path, by kind
-    overlapped_s: dict[str, float]  # FSDP / DP communication time (hidden up to compute_s)
+    overlapped_s: dict[str, float]  # FSDP / DP / PP time (hidden up to compute_s), EP time the chunks hide
     bytes_per_rank: dict[str, float]  # per step, by collective
     executed_flops: float  # per step on the busiest rank
     model_flops: float  # per step, whole cluster
@@ -70,9 +72,17 @@ def _layer_flops(cfg: LlamaConfig, lay: Layout, i: int, T: int, S: int) -> tuple
         div = t if lay.etp else 1
         mats = 3 if m.activation == "swiglu" else 2
         fs = m.num_shared_experts * (m.shared_hidden_dim or m.hidden_dim)
-        gemm += 2 * T * D * m.num_experts + 2 * rows * mats * D * m.hidden_dim / div + 2 * T * mats * D * fs / div
+        gemm += 2 * T * D * m.num_experts + _expert_flops(cfg, lay, T) + 2 * T * mats * D * fs / div
         elem += (rows * (3 * m.hidden_dim / div + 4 * D) + T * 3 * fs / div) * a
     return gemm * passes, attn * passes, elem * passes
+
+
+def _expert_flops(cfg: LlamaConfig, lay: Layout, T: int) -> float:
+    """FLOPs of one forward of a layer's routed experts for one micro-batch on one rank: the
+    compute the chunked exchange can hide behind."""
+    m = cfg.moe
+    mats = 3 if m.activation == "swiglu" else 2
+    return 2 * _routed_rows(cfg, T) * mats * cfg.dim * m.hidden_dim / (lay.tp if lay.etp else 1)
 
 
 def _group_bw(gpu: GPU, eff: Efficiency, span: int, gpn: int) -> float:
@@ -96,12 +106,16 @@ def step_time(
     flops = {kind: _layer_flops(cfg, lay, i, T, S) for kind, i in _kinds(cfg)}
     n_coll = 12 if lay.recompute else 8  # AG + RS before/after attention and MLP, forward + backward
     tp_layer = n_coll * (lay.tp - 1) / lay.tp * T * D * a if lay.tp > 1 else 0.0
-    ep_in_layer = ep_out_layer = 0.0
+    ep_in_layer = ep_out_layer = ep_layer_s = ep_hidden_layer_s = 0.0
     if cfg.moe is not None and lay.ep > 1:
+        intra, inter = ep_layer(cfg, lay, T, _routed_rows(cfg, T), a, gpn)
         n_a2a = 6 if lay.recompute else 4  # dispatch + combine, forward and backward
-        buf = n_a2a * _routed_rows(cfg, T) * D * a
-        local = min(lay.ep, max(1, gpn // lay.tp))  # ep peers in my node (they are tp ranks apart)
-        ep_in_layer, ep_out_layer = buf * (local - 1) / lay.ep, buf * (lay.ep - local) / lay.ep
+        ep_in_layer, ep_out_layer = n_a2a * intra, n_a2a * inter
+        pair_s = 2 * exchange_s(lay, intra, inter, gpu.nvlink_bw * eff.nvlink, gpu.net_bw * eff.net)
+        experts_s = _expert_flops(cfg, lay, T) / peak  # one forward of the routed experts
+        forwards = 2 if lay.recompute else 1
+        ep_layer_s = forwards * exposed(pair_s, experts_s, lay.chunks) + exposed(pair_s, 2 * experts_s, lay.chunks)
+        ep_hidden_layer_s = (forwards + 1) * pair_s - ep_layer_s
 
     # per micro-batch time of each pipeline rank (all its virtual stages); the slowest sets the pace
     c = lay.coords(0)
@@ -121,10 +135,11 @@ def step_time(
                 gemm += 3 * 2 * T * D * cfg.vocab_size / lay.tp
         compute = gemm / peak + attn / (gpu.bf16_flops * eff.attention) + elem / (gpu.hbm_bw * eff.hbm)
         tp_s = tp_bytes / _group_bw(gpu, eff, lay.tp, gpn)
-        ep_s = max(ep_in / (gpu.nvlink_bw * eff.nvlink), ep_out / (gpu.net_bw * eff.net))
-        per_rank.append((compute + tp_s + ep_s, compute, tp_s, ep_s, gemm + attn, tp_bytes, ep_in, ep_out))
+        moe_layers = sum(summaries[s].moe_layers for s in stages)
+        ep_s, ep_hidden = moe_layers * ep_layer_s, moe_layers * ep_hidden_layer_s
+        per_rank.append((compute + tp_s + ep_s, compute, tp_s, ep_s, gemm + attn, tp_bytes, ep_in, ep_out, ep_hidden))
     slow = max(per_rank, key=lambda r: r[0])
-    mb_s, compute_mb, tp_mb, ep_mb, flops_mb, tp_b, ep_in, ep_out = slow
+    mb_s, compute_mb, tp_mb, ep_mb, flops_mb, tp_b, ep_in, ep_out, ep_hidden_mb = slow
     busy = M * mb_s
     bubble = (lay.pp - 1) / (lay.vpp * M) * busy if lay.pp > 1 else 0.0
 
@@ -156,7 +171,8 @@ def step_time(
         step_s=step, compute_s=compute_s, bubble_s=bubble,
         exposed_s={"tp": M * tp_mb, "ep_all_to_all": M * ep_mb, "fsdp_dp_pp_excess": hidden,
                    "optimizer": optimizer_s},
-        overlapped_s={"fsdp": fsdp_s, "dp_all_reduce": dp_s, "pp_send_recv": pp_s},
+        overlapped_s={"fsdp": fsdp_s, "dp_all_reduce": dp_s, "pp_send_recv": pp_s,
+                      "ep_all_to_all_hidden": M * ep_hidden_mb},
         bytes_per_rank={"tp_all_gather_reduce_scatter": M * tp_b, "ep_all_to_all_intra_node": M * ep_in,
                         "ep_all_to_all_inter_node": M * ep_out, "pp_send_recv": pp_bytes,
                         "fsdp_all_gather": fsdp_ag, "fsdp_reduce_scatter": fsdp_rs, "dp_all_reduce": dp_ar},

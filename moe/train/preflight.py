@@ -9,6 +9,7 @@ same checks on the same arguments before any of them joins the process group).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -69,6 +70,12 @@ def layout_options(text: str, world: int | None) -> tuple[dict, int]:
                 pp_schedule=schedule, nproc=lay.world, reshard=int(lay.reshard))  # fmt: skip
     if lay.recompute:  # the planner's recompute: every block re-run in backward
         opts["ac"] = "full"
+    if lay.dispatch != "flat":
+        opts["dispatch"] = lay.dispatch
+    if lay.chunks > 1:
+        if "chunks" not in {f.name for f in dataclasses.fields(TrainConfig)}:
+            raise ValueError(f"--layout {text!r}: chunks={lay.chunks} is not run by the trainer yet; drop it")
+        opts["chunks"] = lay.chunks
     return opts, lay.micro_batch
 
 
@@ -131,24 +138,33 @@ def _check_layout(cfg: TrainConfig, mc: LlamaConfig) -> None:
             raise ValueError(f"--etp: --tp {tp} must divide the experts' hidden dim {mc.moe.hidden_dim}")
 
 
+def train_layout(cfg: TrainConfig, on_gpu: bool):
+    """The planner's `Layout` of a `moe train` configuration (bf16 on a GPU, fp32 on CPU)."""
+    from ..plan.layout import Layout
+
+    interleaved = cfg.pp_schedule.startswith("interleaved")
+    dp = cfg.dp_shard * cfg.dp_replicate
+    micro = cfg.micro_batches or (cfg.pp if cfg.pp > 1 else 1)
+    spans = cfg.ranks_per_node is not None and cfg.ep > cfg.ranks_per_node  # "auto": two-level across nodes
+    two_level = cfg.ep > 1 and (cfg.dispatch == "hierarchical" or (cfg.dispatch == "auto" and spans))
+    return Layout(
+        tp=cfg.tp, pp=cfg.pp, vpp=2 if cfg.pp > 1 and interleaved else 1,
+        schedule="interleaved_1f1b" if cfg.pp > 1 and interleaved else ("1f1b" if cfg.pp == 1 else cfg.pp_schedule),
+        ep=cfg.ep, etp=cfg.etp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate, reshard=bool(cfg.reshard),
+        precision="bf16" if on_gpu else "fp32", micro_batch=max(1, cfg.batch // dp // micro),
+        dispatch="hierarchical" if two_level else "flat", chunks=getattr(cfg, "chunks", 1) if cfg.ep > 1 else 1,
+    )  # fmt: skip
+
+
 def step_bytes(cfg: TrainConfig, mc: LlamaConfig, on_gpu: bool) -> tuple[int, int]:
     """(bytes one process needs at its peak, the planner's training-step peak of the same
     rank). The trainer builds the whole model in fp32 on every rank before sharding it, so the
     peak is at least the whole model's parameters; after that the planner's memory model
     (`moe.plan.memory`, docs/scale.md) gives the step's: parameters, gradients, AdamW state,
     activations and buffers of the most loaded rank."""
-    from ..plan.layout import Layout
     from ..plan.memory import TrainShape, peak_memory
 
-    interleaved = cfg.pp_schedule.startswith("interleaved")
-    dp = cfg.dp_shard * cfg.dp_replicate
-    micro = cfg.micro_batches or (cfg.pp if cfg.pp > 1 else 1)
-    lay = Layout(
-        tp=cfg.tp, pp=cfg.pp, vpp=2 if cfg.pp > 1 and interleaved else 1,
-        schedule="interleaved_1f1b" if cfg.pp > 1 and interleaved else ("1f1b" if cfg.pp == 1 else cfg.pp_schedule),
-        ep=cfg.ep, etp=cfg.etp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate, reshard=bool(cfg.reshard),
-        precision="bf16" if on_gpu else "fp32", micro_batch=max(1, cfg.batch // dp // micro),
-    )  # fmt: skip
+    lay = train_layout(cfg, on_gpu)
     shape = TrainShape(seq_len=cfg.seq_len, global_batch_tokens=cfg.batch * cfg.seq_len)
     _, mem = peak_memory(mc, lay, shape)
     return max(mem["total"], 4 * mc.num_params()), mem["total"]

@@ -11,7 +11,6 @@ import torch
 from moe.config import MoEConfig
 from moe.models.llama import LlamaConfig
 from moe.parallel.pipeline import stage_layers as real_stage_layers
-from moe.plan.calibrate import calibration_rows
 from moe.plan.cli import main
 from moe.plan.hardware import GPUS, gpu_from_spec
 from moe.plan.layout import Layout, parse_layout
@@ -117,15 +116,6 @@ def test_bubble_by_schedule():
     m = 32
     assert one.bubble_s == pytest.approx(3 / m * (one.compute_s + one.exposed_s["tp"]), rel=1e-9)
     assert inter.bubble_s == pytest.approx(3 / (2 * m) * (inter.compute_s + inter.exposed_s["tp"]), rel=1e-9)
-
-
-def test_calibration_within_stated_errors():
-    """The calibration table of docs/scale.md: Megatron-core Mixtral and NeMo Llama 2 70B
-    within 15%; DeepSeek-V3 is off (its all-to-all overlap and node-limited routing are not
-    modelled), and stays reported as such."""
-    err = {r["run"].model: r["error"] for r in calibration_rows()}
-    assert abs(err["mixtral-8x7b"]) < 0.15 and abs(err["llama2-70b"]) < 0.15
-    assert err["deepseek-v3-like"] < -0.15
 
 
 @pytest.mark.parametrize(

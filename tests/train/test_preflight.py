@@ -111,7 +111,7 @@ def _resolved(argv: list[str]) -> dict:
     args._explicit = cli._explicit(parser, ["train", *argv])
     cli._check_train(args, parser)
     return {k: getattr(args, k) for k in ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate",
-                                          "pp_schedule", "micro_batches", "ac")}  # fmt: skip
+                                          "pp_schedule", "micro_batches", "ac", "dispatch")}  # fmt: skip
 
 
 def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
@@ -128,6 +128,8 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
         (Layout(tp=2, dp_shard=2, recompute=True), ["--nproc", "4", "--tp", "2", "--ac", "full"]),
         (Layout(pp=2, tp=2, etp=True, reshard=False, micro_batch=4),  # the 1.2T pick's kind: etp in stages
          ["--nproc", "4", "--pp", "2", "--tp", "2", "--etp", "--reshard", "0", "--micro-batches", "2"]),
+        (Layout(ep=4, dp_shard=4, dispatch="hierarchical"),
+         ["--nproc", "4", "--ep", "4", "--dispatch", "hierarchical"]),
     ]  # fmt: skip
     for lay, flags in cases:
         text = lay.short()
