@@ -49,6 +49,7 @@ sizes_st = st.lists(st.integers(0, 12), min_size=1, max_size=5)
     seed=st.integers(0, 2**16),
     all_on_one=st.booleans(),
 )
+@example(sizes=[10, 10, 10], e=5, k=1, kind="gauss", extras="best", seed=1, all_on_one=False)
 @example(sizes=[0, 7, 0], e=4, k=1, kind="int", extras="best", seed=0, all_on_one=False)  # empty ranks
 @example(sizes=[5, 3], e=8, k=3, kind="equal", extras="best", seed=1, all_on_one=False)  # T*K % E != 0, all tied
 def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, seed, all_on_one):
