@@ -75,3 +75,14 @@ def test_grouped_gemm_gather_methods_agree():
     unfused, fused = (fn(x, w, counts) for fn in fns.values())
     assert t == 24 and fused.shape == (48, 8)
     torch.testing.assert_close(fused, unfused)
+
+
+def test_global_base_benchmark_rows_on_random_and_training_scores():
+    from benchmarks.global_base import markdown, run, summary
+
+    rows = run(3, 40, 8, 2, "random", 2, check=True) + run(2, 64, 8, 1, "training", 2, check=True)
+    assert {(r["scores"], r["mode"]) for r in rows} == {(s, m) for s in ("random", "training") for m in ("cold", "warm")}
+    for r in rows:
+        assert r["rounds"] >= 4 and 0 < r["bytes"] and r["gathered_bytes"] == r["W"] * r["T"] * r["E"] * 4
+        assert 0 <= r["margin_rows"] <= r["W"] * r["T"]
+    assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))

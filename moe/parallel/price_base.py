@@ -11,10 +11,10 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 
 1. a header (one max of 8 + 3W values): shapes, dtypes, which ranks' scores are invalid or not
    finite, the token counts, the scale. A bad input on one rank raises on every rank;
-2. the prices: damped Jacobi updates, one sum of E x 66 counts each (`price_prices`);
+2. the prices: damped Jacobi updates, one sum of E x 66 int32 counts each (`price_prices`);
 3. the margin: every token picks its K best under the prices; those ahead of the next choice
    by less than a band are margin rows, the rest are fixed. One sum of E + W values (the fixed
-   tokens' loads, the margin rows per rank) and one gather of the margin rows (E + 2 values
+   tokens' loads, the margin rows per rank) and one gather of the margin rows (1 + K + E/2 words
    each) give every rank the same residual problem, which each solves the same way: the greedy
    fill into the room the fixed tokens leave, then exchange cycles (`moe.routing.exchange`);
 4. the certificate: the cycles' final distances are prices under which no margin row can gain.
@@ -159,14 +159,14 @@ def price_balanced_assignment(
     """
     _check_extras(extras)
     stats = PriceStats()
-    rounds0, values0 = red.rounds, red.values
+    rounds0, values0, bytes0 = red.rounds, red.values, red.bytes
     sizes, big, half, dtype = _header(parts_TE, k, red)
     total = sum(sizes)
     num_experts = parts_TE[0].shape[1]
     device = parts_TE[0].device
     if total == 0 or k == num_experts:
         res = [torch.arange(k, device=device).expand(x.shape[0], k).clone() for x in parts_TE]
-        return res, None, _finish(stats, red, rounds0, values0, dtype)
+        return res, None, _finish(stats, red, rounds0, values0, bytes0)
     with torch.inference_mode():
         s_parts, starts = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
         caps = _Capacities(total, num_experts, k, extras, device)
@@ -183,12 +183,12 @@ def price_balanced_assignment(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    return [o.clone() for o in out], p_final, _finish(stats, red, rounds0, values0, dtype)
+    return [o.clone() for o in out], p_final, _finish(stats, red, rounds0, values0, bytes0)
 
 
-def _finish(stats, red, rounds0, values0, dtype) -> PriceStats:
+def _finish(stats, red, rounds0, values0, bytes0) -> PriceStats:
     stats.rounds, stats.values = red.rounds - rounds0, red.values - values0
-    stats.bytes = stats.values * (8 if dtype == torch.float64 else 4)
+    stats.bytes = red.bytes - bytes0
     stats.log = red.log[-stats.rounds :] if stats.rounds else []
     return stats
 
@@ -200,17 +200,24 @@ def _pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def _rows(s_ET: Tensor, out_TK: Tensor, local: Tensor, start: int) -> Tensor:
-    """The rows that travel for tokens ``local``: (n, 1 + K + E) int64 words (the global index,
-    the slots, the scores' bits; float32 scores pair up into int64 words)."""
+    """The rows that travel for tokens ``local``: (n, 1 + K + ceil(E / 2)) int64 words (the
+    global index, the slots, the scores' bits; float32 scores two to a word)."""
     s = s_ET.index_select(1, local).T.contiguous()
-    bits = s.view(torch.int64) if s.dtype == torch.float64 else s.view(torch.int32).to(torch.int64)
+    if s.dtype == torch.float64:
+        bits = s.reshape(-1).view(torch.int64).view(s.shape)
+    else:
+        padded = torch.nn.functional.pad(s, (0, s.shape[1] % 2))  # flat views: a 1-row tensor may have any stride
+        bits = padded.reshape(-1).view(torch.int64).view(s.shape[0], padded.shape[1] // 2)
     return torch.cat([(local + start)[:, None], out_TK.index_select(0, local), bits], dim=1)
 
 
-def _unpack(rows: Tensor, k: int, dtype) -> tuple[Tensor, Tensor, Tensor]:
+def _unpack(rows: Tensor, k: int, dtype, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """`_rows` back: global indices (n,), slots (n, K), scores (E, n)."""
-    bits = rows[:, 1 + k :]
-    s = bits.view(torch.float64) if dtype == torch.float64 else bits.to(torch.int32).view(torch.float32)
+    bits = rows[:, 1 + k :].contiguous()
+    if dtype == torch.float64:
+        s = bits.reshape(-1).view(torch.float64).view(bits.shape)
+    else:
+        s = bits.reshape(-1).view(torch.float32).view(bits.shape[0], 2 * bits.shape[1])[:, :num_experts]
     return rows[:, 0], rows[:, 1 : 1 + k], s.T.contiguous()
 
 
@@ -242,7 +249,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
                 ],
                 m_sizes,
             ).cpu()
-            ids, _, s_res = _unpack(rows, k, dtype)
+            ids, _, s_res = _unpack(rows, k, dtype, num_experts)
             slots = torch.full((ids.numel(), k), -1, dtype=torch.int64)
             try:
                 _fill(s_res, slots, room, p.to(dtype).cpu())
@@ -290,7 +297,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         ).cpu()
         for fx, b in zip(fixed, bad, strict=True):
             fx[b] = False
-        new_ids, new_slots, new_s = _unpack(more, k, dtype)
+        new_ids, new_slots, new_s = _unpack(more, k, dtype, num_experts)
         ids, slots, s_res = torch.cat([ids, new_ids]), torch.cat([slots, new_slots]), torch.cat([s_res, new_s], 1)
         if extra is not None:
             extra = graph.extra

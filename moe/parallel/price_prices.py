@@ -7,7 +7,7 @@ towards the value at which exactly ``cap[e]`` tokens of the whole group would pi
 other prices stayed put. That value is an order statistic of the tokens' thresholds
 ``v[e, t]`` (token t takes e while the price of e is below it), and the ranks find it without
 showing each other a token: each counts its thresholds into B bins of a window around the
-current price, one sum of E x (B + 2) counts per update, and the price moves to where the
+current price, one sum of E x (B + 2) int32 counts per update, and the price moves to where the
 counts cross the capacity (values taken as evenly spread within a bin; outside the window,
 to its edge). The window narrows with the moves, so the resolution follows the convergence.
 The same counts give every expert's load at the current prices, which decides when to stop.
@@ -49,7 +49,8 @@ def _histogram(v_ET: Tensor, top_E1: Tensor, h_E1: Tensor) -> Tensor:
     num_experts = v_ET.shape[0]
     pos = ((top_E1 - v_ET) / h_E1).floor_().clamp_(-1, BINS).long() + 1
     key = pos + torch.arange(num_experts, device=v_ET.device)[:, None] * (BINS + 2)
-    return torch.bincount(key.flatten(), minlength=num_experts * (BINS + 2)).view(num_experts, BINS + 2)
+    counts = torch.bincount(key.flatten(), minlength=num_experts * (BINS + 2)).view(num_experts, BINS + 2)
+    return counts.to(torch.int32)  # a group's tokens fit: half the bytes on the wire
 
 
 def _crossing(counts_EB: Tensor, cap_E: Tensor, top_E: Tensor, h_E: Tensor) -> Tensor:
@@ -85,7 +86,7 @@ def jacobi_prices(
         top, h = p + w, 2 * w / BINS
         p1 = p.to(dtype)[:, None]
         top1, h1 = top.to(dtype)[:, None], h.to(dtype)[:, None]
-        counts = red.sum([_histogram(thresholds(s, p1, k), top1, h1) for s in s_parts])
+        counts = red.sum([_histogram(thresholds(s, p1, k), top1, h1) for s in s_parts]).long()
         cap_E = capacities(caps, p)
         loads = counts[:, : BINS // 2 + 1].sum(1)  # thresholds above p: the tokens that pick e now
         if int((loads - cap_E).abs().sum()) <= tol:

@@ -12,8 +12,9 @@ A solver written against `Reduction` holds a list of *local shards* (their group
 - `ShardReduce`: W shards in one process, standing in for W ranks: the calls reduce over the
   list. The same code then simulates a solve at cluster scale on one machine.
 
-Both count what travels: ``rounds`` (collectives) and ``values`` (elements each rank receives:
-n per reduction of n values, every rank's rows for a gather; a ring all-reduce sends about 2n).
+Both count what travels: ``rounds`` (collectives), ``values`` and ``bytes`` (what each rank
+receives: n per reduction of n values, every rank's rows for a gather; a ring all-reduce sends
+about 2n).
 """
 
 from __future__ import annotations
@@ -39,26 +40,29 @@ class Reduction:
     def __init__(self) -> None:
         self.rounds = 0
         self.values = 0  # elements received per rank, over all calls
+        self.bytes = 0  # and their bytes
         self.log: list[tuple[str, int]] = []  # (kind, values) per call
 
-    def _count(self, kind: str, values: int) -> None:
+    def _count(self, kind: str, values: int, itemsize: int) -> None:
         self.rounds += 1
         self.values += values
+        self.bytes += values * itemsize
         self.log.append((kind, values))
 
     def sum(self, parts: Sequence[Tensor]) -> Tensor:
         """The sum over every rank of one tensor per local shard (integers sum exactly)."""
-        self._count("sum", parts[0].numel())
+        self._count("sum", parts[0].numel(), parts[0].element_size())
         return self._sum(parts)
 
     def max(self, parts: Sequence[Tensor]) -> Tensor:
         """The elementwise maximum over every rank (finite values: NaN is not agreed)."""
-        self._count("max", parts[0].numel())
+        self._count("max", parts[0].numel(), parts[0].element_size())
         return self._max(parts)
 
     def gather(self, parts: Sequence[Tensor], sizes: Sequence[int]) -> Tensor:
         """Every rank's rows (``sizes[j]`` from rank j, known to all), stacked in rank order."""
-        self._count("gather", sum(sizes) * (parts[0].shape[1] if parts[0].dim() > 1 else 1))
+        width = parts[0].shape[1] if parts[0].dim() > 1 else 1
+        self._count("gather", sum(sizes) * width, parts[0].element_size())
         return self._gather(parts, sizes)
 
 
