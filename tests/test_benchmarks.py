@@ -107,3 +107,15 @@ def test_base_solvers_reads_fairseqs_answer_back_per_token():
     idx = base_solvers.fairseq_experts(Auction, s)
     order = s[:, 0].argsort()
     assert idx.shape == (12, 1) and idx[order[:4], 0].tolist() == [0] * 4 and idx[order[8:], 0].tolist() == [2] * 4
+
+
+def test_global_base_benchmark_rows_on_random_and_training_scores():
+    from benchmarks.global_base import markdown, run, summary
+
+    rows = run(3, 40, 8, 2, "random", 2, check=True) + run(2, 64, 8, 1, "training", 2, check=True)
+    kinds = {(s, m) for s in ("random", "training") for m in ("cold", "warm")}
+    assert {(r["scores"], r["mode"]) for r in rows} == kinds
+    for r in rows:
+        assert r["rounds"] >= 4 and 0 < r["bytes"] and r["gathered_bytes"] == r["W"] * r["T"] * r["E"] * 4
+        assert 0 <= r["margin_rows"] <= r["W"] * r["T"]
+    assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))

@@ -251,13 +251,13 @@ class _GlobalBalance:
         raise err
 
 
-def _balance_globally(ff: MoEFeedForward, mesh) -> None:
+def _balance_globally(ff: MoEFeedForward, mesh, method: str = "prices") -> None:
     """BASE over every data-parallel rank's tokens: `moe.parallel.GroupBalance` on ``mesh``'s
     group (torchtitan's "loss" mesh: the ranks that hold different tokens), so the assignment is
     the one a single process makes over the whole batch. Under EP its size exchange is one of
     the dispatcher's status collectives; without EP `_GlobalBalance` carries failures."""
     layer, group = ff.moe, mesh.get_group()
-    layer.router.assign = GroupBalance(group, solver=layer.router.assign)
+    layer.router.assign = GroupBalance(group, solver=layer.router.assign, method=method)
     if layer.parallel is not None:
         layer.router.assign.agreement = layer.parallel.agreement
         layer.parallel.agreement.global_group = group
@@ -281,7 +281,7 @@ def _summed(t: Tensor, group) -> Tensor:
 
 
 def parallelize_llama_moe(
-    model: nn.Module, *, parallel_dims, training, parallelism, global_base: bool = False, **kwargs
+    model: nn.Module, *, parallel_dims, training, parallelism, global_base: bool | str = False, **kwargs
 ) -> nn.Module:
     """torchtitan's ``parallelize_llama`` (TP/SP, activation checkpointing, compile, FSDP2)
     with the MoE layers' expert parallelism and aux-loss scale set first. Same signature, plus
@@ -326,7 +326,7 @@ def parallelize_llama_moe(
     loss_mesh = parallel_dims.get_optional_mesh("loss")  # None with one data-parallel rank
     if global_base and loss_mesh is not None:
         for m in layers:
-            _balance_globally(m, loss_mesh)
+            _balance_globally(m, loss_mesh, "gather" if global_base == "gather" else "prices")
     return parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
 
 
@@ -355,7 +355,7 @@ def _zero_filled(to_tensor):
 
 
 def moe_model_spec(
-    spec: ModelSpec, moe: MoEConfig, *, every: int = 1, first: int = 0, global_base: bool = False
+    spec: ModelSpec, moe: MoEConfig, *, every: int = 1, first: int = 0, global_base: bool | str = False
 ) -> ModelSpec:
     """A torchtitan llama3 ``ModelSpec`` with `MoEFeedForward` in every ``every``-th block from
     ``first``, parallelised by `parallelize_llama_moe`; the rest of the spec is unchanged.
@@ -371,7 +371,7 @@ def moe_model_spec(
         spec,
         name=f"{spec.name}_moe",
         model=model,
-        parallelize_fn=functools.partial(parallelize_llama_moe, global_base=True)
+        parallelize_fn=functools.partial(parallelize_llama_moe, global_base=global_base)
         if global_base
         else parallelize_llama_moe,
         pipelining_fn=pipeline_llama_moe,

@@ -69,7 +69,7 @@ def parallelize_moe(
     ep: str = "ep",
     etp: str | None = None,
     static_splits: bool = False,
-    global_base: bool = False,
+    global_base: bool | str = False,
     dispatch_strategy: str = "auto",
     dispatch: str = "flat",
     ranks_per_node: int | None = None,
@@ -83,7 +83,9 @@ def parallelize_moe(
         static_splits: every rank routes the same number of tokens in every call (fixed batch
             shape); BASE layers in training then skip the count exchange (see `FlatDispatcher`).
         global_base: BASE layers balance over the whole ep group (`GroupBalance`) instead of
-            per rank.
+            per rank. True: the ranks agree through the experts' prices (`price_balanced_assignment`,
+            nothing like the scores travels); ``"gather"``: every rank gathers the group's scores
+            and solves the whole problem (the reference; its traffic grows with the group).
         dispatch_strategy: how rows reach their experts, see `moe.parallel.dispatch`
             ("auto", "resort" or "per_expert").
         dispatch: "flat" (every ep rank exchanges rows with every other, `FlatDispatcher`),
@@ -114,6 +116,8 @@ def parallelize_moe(
         "ranks_per_node": ranks_per_node if ranks_per_node is not None or dispatch == "flat" else _env_rpn(),
         "mesh": tuple(mesh.shape),
     }
+    if global_base not in (False, True, "gather"):
+        raise ValueError(f"global_base must be False, True or 'gather', got {global_base!r}")
     check_same_config(layers, mesh, options)  # first: the checks below then fail alike on every rank
     ep_dim, etp_dim = _mesh_dim(mesh, ep, "ep"), _mesh_dim(mesh, etp, "etp")
     if dispatch_strategy not in STRATEGIES:
@@ -181,7 +185,8 @@ def parallelize_moe(
             )
         layer.dispatcher = dispatcher
         if global_base:
-            layer.router.assign = GroupBalance(dispatcher.ep_group, solver=layer.router.assign)
+            method = "gather" if global_base == "gather" else "prices"
+            layer.router.assign = GroupBalance(dispatcher.ep_group, solver=layer.router.assign, method=method)
             layer.router.assign.agreement = dispatcher.agreement
         elif static_splits and isinstance(layer.router, BaseRouter):
             layer.router.sync_free = True  # with the approx solver the static path reads nothing back

@@ -276,7 +276,7 @@ def parallelize_llama(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     static_splits: bool = False,
-    global_base: bool = False,
+    global_base: bool | str = False,
     dispatch: str = "flat",
     ranks_per_node: int | None = None,
     names: dict[str, str] | None = None,

@@ -9,10 +9,17 @@ from torch import Tensor
 
 
 def _jitter_pattern(
-    num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device, out: Tensor | None = None
+    num_experts: int,
+    num_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    out: Tensor | None = None,
+    first: int = 0,
 ) -> Tensor:
-    """(E, T): ``frac(t * phi + e * psi)``, in ``out`` when given."""
-    u = (torch.arange(num_tokens, device=device, dtype=torch.float64) * 0.6180339887498949).frac()
+    """(E, T): ``frac(t * phi + e * psi)``, in ``out`` when given, for tokens t = first ..
+    first + T - 1 (a shard of a larger problem gets the columns the whole one would)."""
+    t = torch.arange(first, first + num_tokens, device=device, dtype=torch.float64)
+    u = (t * 0.6180339887498949).frac()
     v = (torch.arange(num_experts, device=device, dtype=torch.float64) * 0.7548776662466927).frac()
     return torch.add(u.to(dtype), v.to(dtype)[:, None], out=out).frac_()
 

@@ -1,0 +1,336 @@
+"""Global BASE without gathering the scores: the exact balanced assignment over every rank's
+tokens, agreed through the experts' prices and the few tokens at their margin.
+
+Legend: W ranks, T tokens of one shard (N over the group), E experts, K experts per token,
+M margin rows (tokens near a boundary under the prices).
+
+The problem is the one `moe.routing.balanced.balanced_assignment` solves on the stacked scores
+(N, E): the same normalisation (every token's best at 0, divided by the group's largest range,
+the same jitter at the same global token index), the same capacities and ``extras`` rule, the
+same exchange cycles and certificate. Each rank keeps its rows; per call they agree on:
+
+1. a header (one max of 8 + 3W values): shapes, dtypes, which ranks' scores are invalid or not
+   finite, the token counts, the scale. A bad input on one rank raises on every rank;
+2. the prices: damped Jacobi updates, one sum of E x 66 int32 counts each (`price_prices`);
+3. the margin: every token picks its K best under the prices; those ahead of the next choice
+   by less than a band are margin rows, the rest are fixed. One sum of E + W values (the fixed
+   tokens' loads, the margin rows per rank) and one gather of the margin rows (1 + K + E/2 words
+   each) give every rank the same residual problem, which each solves the same way: the greedy
+   fill into the room the fixed tokens leave, then exchange cycles (`moe.routing.exchange`);
+4. the certificate: the cycles' final distances are prices under which no margin row can gain.
+   Every rank checks its fixed tokens against them (one sum of W values); a token that fails
+   joins the margin rows with its slots (one gather) and the cycles go on. When none fails, no
+   cycle over the whole group gains more than the tolerance: the optimality condition of the
+   transportation problem, as in the single-process solver (docs/routing.md).
+
+Every step is a deterministic function of summed integers, maxima and gathered rows, so every
+rank computes the same result. Every loop is bounded: the bands grow geometrically to the
+whole problem (then the residual is the gathered problem), each certificate round adds a row.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern
+from ..routing.exchange import _Graph, violations
+from .price_prices import capacities, jacobi_prices
+from .reduction import Reduction
+
+__all__ = ["PriceStats", "price_balanced_assignment"]
+
+_DTYPES = {torch.float32: 1, torch.float64: 2}
+BAND = 4.0  # the first margin band, in units of the last price move
+MIN_BAND = 1e-4
+TOL = 3e-4
+
+
+@dataclass
+class PriceStats:
+    """What one solve cost: collectives, values received per rank, rows that travelled."""
+
+    rounds: int = 0
+    values: int = 0
+    bytes: int = 0
+    margin_rows: int = 0  # rows gathered onto every rank (the margin and the certificate's)
+    price_updates: int = 0
+    cycles: int = 0
+    checks: int = 0  # certificate rounds
+    log: list = field(default_factory=list)
+
+
+def _header(parts_TE: list[Tensor], k: int, red: Reduction) -> tuple[list[int], float, float, torch.dtype]:
+    """Agree on the shapes, dtypes, validity, token counts and scale: (sizes, big, half, dtype)."""
+    world, n_fixed = red.world, 8
+    rows, errors = [], {}
+    for rank, scores in zip(red.ranks, parts_TE, strict=True):
+        h = torch.zeros(n_fixed + 3 * world, dtype=torch.float64)
+        try:
+            _check(scores, k)
+        except ValueError as err:
+            errors[rank] = err
+            h[n_fixed + rank] = 1
+            rows.append(h)
+            continue
+        dtype = torch.promote_types(scores.dtype, torch.float32)
+        num_tokens, num_experts = scores.shape
+        h[:6] = torch.tensor([num_experts, -num_experts, k, -k, _DTYPES[dtype], -_DTYPES[dtype]], dtype=torch.float64)
+        if num_tokens:
+            lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)
+            big, half = torch.stack([torch.maximum(hi.abs(), lo.abs()).amax(), (hi * 0.5 - lo * 0.5).amax()]).tolist()
+            if big != big or abs(big) == float("inf"):
+                h[n_fixed + 2 * world + rank] = 1
+            else:
+                h[6], h[7] = big, half
+        h[n_fixed + world + rank] = num_tokens
+        rows.append(h)
+    device = next((p.device for p in parts_TE if isinstance(p, Tensor)), torch.device("cpu"))
+    out = red.max([h.to(device) for h in rows]).cpu()
+    bad, sizes, nonfinite = (out[n_fixed + i * world : n_fixed + (i + 1) * world] for i in range(3))
+    if bad.any():
+        if errors:
+            raise next(iter(errors.values()))
+        raise ValueError(f"the scores on ranks {bad.nonzero().flatten().tolist()} of the group are invalid (see there)")
+    if out[0] != -out[1] or out[2] != -out[3] or out[4] != -out[5]:
+        raise ValueError(
+            f"the scores must have the same E, k and dtype on every rank of the group: E from {int(-out[1])} "
+            f"to {int(out[0])}, k from {int(-out[3])} to {int(out[2])}"
+        )
+    if nonfinite.any():
+        raise ValueError(f"scores must be finite: found NaN or Inf on ranks {nonfinite.nonzero().flatten().tolist()}")
+    dtype = {v: d for d, v in _DTYPES.items()}[int(out[4])]
+    return [int(n) for n in sizes.tolist()], float(out[6]), float(out[7]), dtype
+
+
+def _normalise(parts_TE, red, sizes, big, half, dtype, jitter) -> list[Tensor]:
+    """Each shard as `moe.routing.balanced.inputs._normalise` would do it within the stacked
+    problem: (E, T) with the group's scale and the jitter at the global token index."""
+    starts = [sum(sizes[:r]) for r in red.ranks]
+    xs, los, his = [], [], []
+    for x in parts_TE:
+        xs.append(x)
+        los.append(x.amin(dim=1).to(dtype) if x.shape[0] else x.new_zeros(0, dtype=dtype))
+        his.append(x.amax(dim=1).to(dtype) if x.shape[0] else x.new_zeros(0, dtype=dtype))
+    scale = 2 * half
+    if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
+        xs = [x.to(dtype) / big for x in xs]
+        los, his = [lo / big for lo in los], [hi / big for hi in his]
+        local = [(hi - lo).amax() if hi.numel() else hi.new_zeros(()) for lo, hi in zip(los, his, strict=True)]
+        scale = float(red.max([v.reshape(1) for v in local]))
+    out = []
+    for x, hi, start in zip(xs, his, starts, strict=True):
+        s = torch.sub(x.T, hi).to(dtype)
+        if scale > 0:
+            s.div_(scale)
+        if jitter > 0:
+            s.add_(_jitter_pattern(s.shape[0], s.shape[1], dtype, s.device, first=start), alpha=jitter)
+        out.append(s)
+    return out, starts
+
+
+def price_balanced_assignment(
+    parts_TE: list[Tensor],
+    k: int,
+    red: Reduction,
+    *,
+    extras: str = "best",
+    eps: float = 1e-6,
+    prices: Tensor | None = None,
+    max_price_iters: int = 40,
+    max_cycles: int | None = None,
+) -> tuple[list[Tensor], Tensor | None, PriceStats]:
+    """The exact balanced assignment of the stacked problem, each shard keeping its rows.
+
+    Args:
+        parts_TE: the local shards' scores, one (T, E) tensor per rank in ``red.ranks``.
+        k, extras, eps: as in `balanced_assignment` (the same capacities, tolerance, jitter).
+        red: the collectives (`GroupReduce` over a process group, `ShardReduce` in one process).
+        prices: (E,) a previous call's prices to start from (the returned ones), or None.
+        max_price_iters: cap on the price updates (each one collective).
+        max_cycles: cap on the exchange cycles; None allows N * K + E.
+
+    Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 or None when there
+    was nothing to solve, the costs). The result is the same on every rank, exactly balanced over
+    the group, and within the single-process solver's bound of the optimum.
+    """
+    _check_extras(extras)
+    stats = PriceStats()
+    rounds0, values0, bytes0 = red.rounds, red.values, red.bytes
+    sizes, big, half, dtype = _header(parts_TE, k, red)
+    total = sum(sizes)
+    num_experts = parts_TE[0].shape[1]
+    device = parts_TE[0].device
+    if total == 0 or k == num_experts:
+        res = [torch.arange(k, device=device).expand(x.shape[0], k).clone() for x in parts_TE]
+        return res, None, _finish(stats, red, rounds0, values0, bytes0)
+    with torch.inference_mode():
+        s_parts, starts = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
+        caps = _Capacities(total, num_experts, k, extras, device)
+        tol = max(num_experts, int(TOL * total * k))
+        p, stats.price_updates, width = jacobi_prices(s_parts, caps, k, red, prices, max_iters=max_price_iters, tol=tol)
+        cap = capacities(caps, p)
+        delta = max(eps, 8 * torch.finfo(dtype).eps)
+        budget = total * k + num_experts if max_cycles is None else max_cycles
+        out, p_final, ok = _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats)
+        if not ok:
+            warnings.warn(
+                f"price_balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
+                "optimality certificate passed; the assignment is balanced but may be suboptimal",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return [o.clone() for o in out], p_final, _finish(stats, red, rounds0, values0, bytes0)
+
+
+def _finish(stats, red, rounds0, values0, bytes0) -> PriceStats:
+    stats.rounds, stats.values = red.rounds - rounds0, red.values - values0
+    stats.bytes = red.bytes - bytes0
+    stats.log = red.log[-stats.rounds :] if stats.rounds else []
+    return stats
+
+
+def _pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each token's K best experts under the prices (T, K) and its margin over the next (T,)."""
+    vals, idx = torch.topk(s_ET - p_E1, k + 1, dim=0)
+    return idx[:k].T.contiguous(), vals[k - 1] - vals[k]
+
+
+def _rows(s_ET: Tensor, out_TK: Tensor, local: Tensor, start: int) -> Tensor:
+    """The rows that travel for tokens ``local``: (n, 1 + K + ceil(E / 2)) int64 words (the
+    global index, the slots, the scores' bits; float32 scores two to a word)."""
+    s = s_ET.index_select(1, local).T.contiguous()
+    if s.dtype == torch.float64:
+        bits = s.reshape(-1).view(torch.int64).view(s.shape)
+    else:
+        padded = torch.nn.functional.pad(s, (0, s.shape[1] % 2))  # flat views: a 1-row tensor may have any stride
+        bits = padded.reshape(-1).view(torch.int64).view(s.shape[0], padded.shape[1] // 2)
+    return torch.cat([(local + start)[:, None], out_TK.index_select(0, local), bits], dim=1)
+
+
+def _unpack(rows: Tensor, k: int, dtype, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`_rows` back: global indices (n,), slots (n, K), scores (E, n)."""
+    bits = rows[:, 1 + k :].contiguous()
+    if dtype == torch.float64:
+        s = bits.reshape(-1).view(torch.float64).view(bits.shape)
+    else:
+        s = bits.reshape(-1).view(torch.float32).view(bits.shape[0], 2 * bits.shape[1])[:, :num_experts]
+    return rows[:, 0], rows[:, 1 : 1 + k], s.T.contiguous()
+
+
+def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats):
+    """Steps 3 and 4 of the module docstring. Returns (slots per shard, prices, certified)."""
+    num_experts = s_parts[0].shape[0]
+    dtype = s_parts[0].dtype
+    world = red.world
+    p1 = p.to(dtype)[:, None]
+    picks = [_pick(s, p1, k) for s in s_parts]
+    band = max(BAND * width, MIN_BAND)
+    while True:  # the band grows until the fixed tokens leave room the margin rows can fill
+        last = band > 4.0  # every token's margin is below 4 in [-1, 1] scores: the whole problem
+        near = [m < band if not last else torch.ones_like(m, dtype=torch.bool) for _, m in picks]
+        counts = []
+        for rank, (out, _), nr in zip(red.ranks, picks, near, strict=True):
+            c = torch.zeros(num_experts + world, dtype=torch.int64, device=out.device)
+            c.index_add_(0, out[~nr].flatten(), torch.ones_like(out[~nr].flatten()))
+            c[num_experts + rank] = int(nr.sum())
+            counts.append(c)
+        summed = red.sum(counts).cpu()
+        room = cap.cpu() - summed[:num_experts]
+        m_sizes = summed[num_experts:].tolist()
+        if bool((room >= 0).all()):
+            rows = red.gather(
+                [
+                    _rows(s, out, nr.nonzero().flatten(), st)
+                    for s, (out, _), nr, st in zip(s_parts, picks, near, starts, strict=True)
+                ],
+                m_sizes,
+            ).cpu()
+            ids, _, s_res = _unpack(rows, k, dtype, num_experts)
+            slots = torch.full((ids.numel(), k), -1, dtype=torch.int64)
+            try:
+                _fill(s_res, slots, room, p.to(dtype).cpu())
+                break
+            except RuntimeError:  # no completion with these fixed tokens: a wider band
+                pass
+        if last:
+            raise AssertionError("price_balanced_assignment: the whole problem could not be filled")  # impossible
+        band *= 4
+    stats.margin_rows = ids.numel()
+    extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
+    fixed = [(~nr) for nr in near]
+    outs = [out.clone() for out, _ in picks]
+    applied, ok = 0, False
+    start = p.cpu().numpy().astype(s_res.numpy().dtype)
+    for check in range(64):  # each round adds at least one row; past 63, every row (the whole problem)
+        graph = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
+        done, n, dist = _cancel(graph, budget - applied, start)
+        applied, start = applied + n, dist
+        slots = torch.from_numpy(graph.out)
+        stats.cycles, stats.checks = applied, check + 1
+        prices = torch.from_numpy(dist).to(torch.float64)
+        if not done:
+            break
+        _write(outs, ids, slots, starts, sizes, red)
+        q = prices.to(dtype).to(s_parts[0].device)
+        bad = []
+        for s, out, fx in zip(s_parts, outs, fixed, strict=True):
+            local = fx.nonzero().flatten()
+            if check == 63:
+                bad.append(local)
+                continue
+            bad.append(local[violations(s.index_select(1, local), q, out.index_select(0, local), delta)])
+        counts = []
+        for rank, b in zip(red.ranks, bad, strict=True):
+            c = torch.zeros(world, dtype=torch.int64, device=b.device)
+            c[rank] = b.numel()
+            counts.append(c)
+        b_sizes = red.sum(counts).cpu().tolist()
+        if sum(b_sizes) == 0:
+            ok = True
+            break
+        more = red.gather(
+            [_rows(s, out, b, st) for s, out, b, st in zip(s_parts, outs, bad, starts, strict=True)], b_sizes
+        ).cpu()
+        for fx, b in zip(fixed, bad, strict=True):
+            fx[b] = False
+        new_ids, new_slots, new_s = _unpack(more, k, dtype, num_experts)
+        ids, slots, s_res = torch.cat([ids, new_ids]), torch.cat([slots, new_slots]), torch.cat([s_res, new_s], 1)
+        if extra is not None:
+            extra = graph.extra
+        stats.margin_rows = ids.numel()
+    _write(outs, ids, slots, starts, sizes, red)
+    shift = prices - prices.mean()
+    return outs, shift, ok
+
+
+def _cancel(graph: _Graph, max_cycles: int, start) -> tuple[bool, int, object]:
+    """`_Graph.cancel`, its Bellman-Ford started from prices ``start`` rather than zeros: the
+    distances then rise from the prices the fixed tokens were picked under only where a margin
+    row's move needs it, so the certificate's prices stay close to them and few fixed tokens
+    can fail. The final distances come from a search from ``start`` over the final assignment:
+    those of the searches between cycles keep every rise the greedy fill's bad moves caused
+    (at W=16, warm started, a thousand fixed tokens then failed)."""
+    applied, dist = 0, start
+    while True:
+        cycles, dist = graph._search(dist)
+        if not cycles:  # once more from the start: the distances rose while the fill's moves were undone
+            cycles, dist = graph._search(start)
+        if not cycles:
+            return True, applied, dist
+        if applied >= max_cycles:
+            return False, applied, dist
+        cycles = cycles[: max_cycles - applied]
+        applied += len(cycles)
+        graph._apply(cycles)
+
+
+def _write(outs, ids, slots, starts, sizes, red) -> None:
+    """The gathered rows' slots into each shard's assignment."""
+    for rank, out, start in zip(red.ranks, outs, starts, strict=True):
+        mine = (ids >= start) & (ids < start + sizes[rank])
+        if bool(mine.any()):
+            out[ids[mine] - start] = slots[mine].to(out.device)

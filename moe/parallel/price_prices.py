@@ -1,0 +1,99 @@
+"""The experts' prices of a distributed balanced assignment, agreed through histograms.
+
+Legend: W ranks, T tokens of one shard, E experts, K experts per token, B histogram bins.
+
+Damped Jacobi as in the single-process solver (docs/routing.md): every expert's price moves
+towards the value at which exactly ``cap[e]`` tokens of the whole group would pick it if the
+other prices stayed put. That value is an order statistic of the tokens' thresholds
+``v[e, t]`` (token t takes e while the price of e is below it), and the ranks find it without
+showing each other a token: each counts its thresholds into B bins of a window around the
+current price, one sum of E x (B + 2) int32 counts per update, and the price moves to where the
+counts cross the capacity (values taken as evenly spread within a bin; outside the window,
+to its edge). The window narrows with the moves, so the resolution follows the convergence.
+The same counts give every expert's load at the current prices, which decides when to stop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..routing.balanced import _Capacities
+from .reduction import Reduction
+
+BINS = 64  # per expert and update: E * (BINS + 2) counts travel
+OMEGA = 0.7  # damping, as in the single-process solver
+COLD_WIDTH = 1.0  # the window's half-width from p = 0: thresholds lie in [-1, 1]
+WARM_WIDTH = 0.02  # from the previous call's prices; grows when a move reaches its edge
+
+
+def thresholds(s_ET: Tensor, p_E1: Tensor, k: int) -> Tensor:
+    """(E, T): the price of e below which token t keeps e among its K best under the other
+    prices: ``s[e, t]`` less the K-th best ``s - p`` of the other experts."""
+    a = s_ET - p_E1
+    vals = torch.topk(a, k + 1, dim=0).values  # (K+1, T), descending
+    mine = a >= vals[k - 1]  # e is among t's K best (ties: both count as held, both see vals[k])
+    return s_ET - torch.where(mine, vals[k], vals[k - 1])
+
+
+def capacities(caps: _Capacities, p_E: Tensor) -> Tensor:
+    """(E,) int64 loads aimed at under prices ``p`` (the r highest take the extras under
+    ``"best"``), on p's device."""
+    if not caps.movable:
+        return caps.fixed.to(p_E.device)
+    return torch.from_numpy(caps.at_host(p_E.cpu().numpy())).to(p_E.device)
+
+
+def _histogram(v_ET: Tensor, top_E1: Tensor, h_E1: Tensor) -> Tensor:
+    """(E, B + 2) int64 counts: above the window, its B bins from the top, below it."""
+    num_experts = v_ET.shape[0]
+    pos = ((top_E1 - v_ET) / h_E1).floor_().clamp_(-1, BINS).long() + 1
+    key = pos + torch.arange(num_experts, device=v_ET.device)[:, None] * (BINS + 2)
+    counts = torch.bincount(key.flatten(), minlength=num_experts * (BINS + 2)).view(num_experts, BINS + 2)
+    return counts.to(torch.int32)  # a group's tokens fit: half the bytes on the wire
+
+
+def _crossing(counts_EB: Tensor, cap_E: Tensor, top_E: Tensor, h_E: Tensor) -> Tensor:
+    """(E,) the price at which ``cap`` thresholds lie above it, from the window's counts."""
+    cum = counts_EB.cumsum(1)
+    j = (cum < cap_E[:, None]).sum(1)  # first column whose running count reaches cap
+    inside = (j > 0) & (j <= BINS)
+    jb = (j - 1).clamp(0, BINS - 1)
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)[:, None])[:, 0], 0)
+    n = counts_EB.gather(1, j.clamp(max=BINS + 1)[:, None])[:, 0].clamp(min=1)
+    within = top_E - jb * h_E - h_E * (cap_E - before) / n
+    q = torch.where(j == 0, top_E, top_E - BINS * h_E)  # outside the window: its edge
+    return torch.where(inside, within, q)
+
+
+def jacobi_prices(
+    s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor | None, *, max_iters: int, tol: int
+) -> tuple[Tensor, int, float]:
+    """Damped Jacobi prices over every rank's tokens, from ``p`` (None: zeros, a cold start).
+
+    Stops after ``max_iters`` updates or once the loads under the prices miss the capacities
+    by at most ``tol`` slots in all. Returns the prices (E,) float64 (the same on every rank:
+    they follow from summed integer counts), the updates run and the last window's half-width
+    (what the prices are known to within, roughly)."""
+    num_experts = s_parts[0].shape[0]
+    device = s_parts[0].device
+    dtype = s_parts[0].dtype
+    cold = p_E is None
+    p = torch.zeros(num_experts, dtype=torch.float64, device=device) if cold else p_E.to(device, torch.float64)
+    width, step = (COLD_WIDTH if cold else WARM_WIDTH), 0.0
+    for it in range(max_iters):
+        w = torch.full((num_experts,), width, dtype=torch.float64, device=device)
+        top, h = p + w, 2 * w / BINS
+        p1 = p.to(dtype)[:, None]
+        top1, h1 = top.to(dtype)[:, None], h.to(dtype)[:, None]
+        counts = red.sum([_histogram(thresholds(s, p1, k), top1, h1) for s in s_parts]).long()
+        cap_E = capacities(caps, p)
+        loads = counts[:, : BINS // 2 + 1].sum(1)  # thresholds above p: the tokens that pick e now
+        if int((loads - cap_E).abs().sum()) <= tol:
+            return p, it, step
+        q = _crossing(counts, cap_E, top, h)
+        move = OMEGA * (q - p)
+        p = p + move
+        step = float(move.abs().max())
+        width = min(COLD_WIDTH, max(4 * step, 1e-6))
+    return p, max_iters, step

@@ -1,0 +1,151 @@
+"""The distributed exact BASE solver (`price_balanced_assignment`): W ranks simulated in one
+process against the single-process solve of the stacked problem (and scipy on small cases),
+then the same code over gloo against the gathered path."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from moe.parallel.global_base import GroupBalance
+from moe.parallel.price_base import price_balanced_assignment
+from moe.parallel.reduction import GroupReduce, ShardReduce
+from moe.routing.balanced import assignment_score, balanced_assignment
+from tests.parallel.launch import init, spawn
+from tests.routing.test_balanced import check_feasible, make_scores, optimum
+
+
+def bound(scores: torch.Tensor, k: int) -> float:
+    """The single-process solver's guarantee, (2 T K + E) eps R, in the scores' units."""
+    t, e = scores.shape
+    spread = float((scores.amax(1) - scores.amin(1)).amax()) if t else 0.0
+    return (2 * t * k + e) * 1e-6 * spread + 1e-9 * max(1.0, float(scores.abs().max()) if t else 1.0)
+
+
+def same_order(idx_TK: torch.Tensor) -> torch.Tensor:
+    """A token's experts as a set (the solvers may list them in different orders)."""
+    return idx_TK.sort(dim=1).values
+
+
+def split(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(x.split(sizes))
+
+
+def solve_simulated(x, sizes, k, extras, prices=None):
+    out, p, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(len(sizes)), extras=extras, prices=prices)
+    return torch.cat(out), p, stats
+
+
+sizes_st = st.lists(st.integers(0, 12), min_size=1, max_size=5)
+
+
+@given(
+    sizes=sizes_st,
+    e=st.integers(2, 9),
+    k=st.integers(1, 8),
+    kind=st.sampled_from(["gauss", "int", "one_expert", "equal", "huge"]),
+    extras=st.sampled_from(["best", "lowest"]),
+    seed=st.integers(0, 2**16),
+    all_on_one=st.booleans(),
+)
+@example(sizes=[10, 10, 10], e=5, k=1, kind="gauss", extras="best", seed=1, all_on_one=False)
+@example(sizes=[0, 7, 0], e=4, k=1, kind="int", extras="best", seed=0, all_on_one=False)  # empty ranks
+@example(sizes=[5, 3], e=8, k=3, kind="equal", extras="best", seed=1, all_on_one=False)  # T*K % E != 0, all tied
+def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, seed, all_on_one):
+    k = min(k, e)
+    if all_on_one:  # one rank holds every token
+        sizes = [sum(sizes)] + [0] * (len(sizes) - 1)
+    total = sum(sizes)
+    x = make_scores(seed, total, e, kind)
+    got, prices, _ = solve_simulated(x, sizes, k, extras)
+    check_feasible(got, total, e, k, extras)
+    ref = balanced_assignment(x, k, extras=extras)
+    tol = bound(x, k)
+    assert abs(float(assignment_score(x, got) - assignment_score(x, ref))) <= 2 * tol
+    if total and total * e <= 60 and (k == 1 or total * e <= 40):
+        assert abs(float(assignment_score(x, got)) - optimum(x, k, extras)) <= 2 * tol
+    if prices is not None:  # a warm start from the returned prices reaches the same optimum
+        warm, _, _ = solve_simulated(x, sizes, k, extras, prices)
+        check_feasible(warm, total, e, k, extras)
+        assert abs(float(assignment_score(x, warm) - assignment_score(x, got))) <= 2 * tol
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_larger_group_equals_the_single_process_solve(k):
+    """W = 16 shards of uneven size, Gaussian scores (a unique optimum): the same assignment as
+    the single-process solver, cold and warm started; warm needs no price update."""
+    sizes = [120 + 37 * i for i in range(16)]
+    x = make_scores(3, sum(sizes), 24, "gauss", torch.float32)
+    ref = same_order(balanced_assignment(x, k))
+    cold, prices, stats = solve_simulated(x, sizes, k, "best")
+    assert torch.equal(same_order(cold), ref)
+    warm, _, warm_stats = solve_simulated(x, sizes, k, "best", prices)
+    assert torch.equal(same_order(warm), ref)
+    assert warm_stats.price_updates == 0 and warm_stats.rounds < stats.rounds
+    assert stats.margin_rows < sum(sizes) // 2  # the margin travels, not the scores
+
+
+def test_bad_input_on_one_rank_raises_for_all():
+    x = make_scores(0, 20, 4, "gauss")
+    parts = split(x, [10, 10])
+    parts[1] = parts[1].clone()
+    parts[1][3, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"finite.*ranks \[1\]"):
+        price_balanced_assignment(parts, 1, ShardReduce(2))
+    with pytest.raises(ValueError, match="shape"):
+        price_balanced_assignment([x[:10], x[10:, 0]], 1, ShardReduce(2))
+    with pytest.raises(ValueError, match="same E"):
+        price_balanced_assignment([x[:10], x[10:, :3]], 1, ShardReduce(2))
+
+
+# ---- gloo: the same code over torch.distributed, against the gathered path
+
+
+def check_group(group, world: int, rank: int, seed: int) -> None:
+    """Against the gathered path, assignment for assignment (Gaussian fp64: a unique optimum),
+    every rank holding the same result; a warm second call; a bad input raising everywhere."""
+    gathered = GroupBalance(group, balanced_assignment, method="gather")
+    prices = GroupBalance(group, balanced_assignment)
+    me = dist.get_rank(group)
+    for case, (t, e, k, extras) in enumerate([(40, 8, 1, "best"), (33, 16, 3, "best"), (25, 6, 2, "lowest")]):
+        sizes = [t + 7 * j if j != 1 else 0 for j in range(world)]  # uneven, one rank empty
+        x = make_scores(seed + case, sum(sizes), e, "gauss")
+        mine = split(x, sizes)[me]
+        for call in range(2):  # cold, then warm from the first call's prices
+            got = prices(mine, k, extras=extras)
+            ref = gathered(mine, k, extras=extras)
+            assert torch.equal(same_order(got), same_order(ref)), (case, call, me)
+        assert prices.stats.price_updates == 0, prices.stats
+        full = torch.zeros(sum(sizes), k, dtype=torch.int64)
+        start = sum(sizes[:me])
+        full[start : start + sizes[me]] = got
+        dist.all_reduce(full, group=group)  # each row written by its owner once
+        assert torch.equal(same_order(full), same_order(balanced_assignment(x, k, extras=extras))), case
+    bad = make_scores(seed, 10, 8, "gauss")
+    if me == world - 1:
+        bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        prices(bad, 1)
+    got = prices(make_scores(seed, 10, 8, "gauss"), 1)  # the group goes on working
+    assert got.shape == (10, 1)
+
+
+def worker(rank: int, world: int, store: str) -> None:
+    init(rank, world, store)
+    check_group(dist.group.WORLD, world, rank, seed=10)
+    if world == 4:  # the two-rank groups, in the same launch
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        check_group(pairs[rank // 2], 2, rank, seed=20 + rank // 2)
+    red = GroupReduce()
+    assert red.world == world and red.ranks == [rank]
+    dist.destroy_process_group()
+
+
+def test_gloo_two_and_four_ranks():
+    spawn(worker, 4)
+
+
+@pytest.mark.slow
+def test_gloo_eight_ranks():
+    spawn(worker, 8)
