@@ -75,3 +75,22 @@ def test_grouped_gemm_gather_methods_agree():
     unfused, fused = (fn(x, w, counts) for fn in fns.values())
     assert t == 24 and fused.shape == (48, 8)
     torch.testing.assert_close(fused, unfused)
+
+
+def test_node_bytes_count_what_crosses_between_nodes(capsys):
+    """The inter-node counts follow the uniform expectation without a node limit, the node limit
+    caps the nodes a token reaches at M, and deduplication halves the top-8 bytes under M=4."""
+    from benchmarks import all_to_all, node_bytes
+
+    rows = {r["name"]: r for r in node_bytes.rows(tokens=4096)}
+    for name in ("top-2 of 8 experts, 2 nodes", "top-8 of 256 experts, 8 nodes"):
+        r = rows[name]
+        assert (
+            abs(r["flat_vectors"] - r["uniform_flat"]) < 0.05
+            and abs(r["two_level_vectors"] - r["uniform_two_level"]) < 0.1
+        )
+        assert r["two_level_bytes"] < r["flat_bytes"]
+    limited = rows["top-8 of 256 experts, 8 nodes, M=4"]
+    assert limited["max_nodes"] == 4 and limited["ratio"] > 1.9
+    all_to_all.main(["--hierarchical"])  # one process: the counts, no process group
+    assert "| top-8 of 256 experts, 8 nodes, M=4 | 7168 |" in capsys.readouterr().out

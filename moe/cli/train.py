@@ -100,6 +100,9 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      "spans nodes)")  # fmt: skip
     lay.add_argument("--ranks-per-node", type=_positive("--ranks-per-node"), default=None,
                      help="ranks per node of the ep group, for --dispatch (default: LOCAL_WORLD_SIZE)")  # fmt: skip
+    lay.add_argument("--ep-chunks", type=_positive("--ep-chunks"), default=d.ep_chunks,
+                     help="with --ep: the expert exchange in this many chunks, each in flight while another's "
+                     "experts compute")  # fmt: skip
     lay.add_argument("--grad-accum", type=_positive("--grad-accum"), default=d.grad_accum,
                      help="without --pp: backward passes per step, over slices of each rank's rows")  # fmt: skip
     lay.add_argument("--layout", default=None,

@@ -12,12 +12,14 @@ from .expert_parallel import ExpertParallel, parallelize_moe, reduce_gradients
 from .flat import FlatDispatcher
 from .global_base import GroupBalance
 from .hierarchical import HierarchicalDispatcher
+from .hierarchical_chunked import ChunkedHierarchicalDispatcher
 from .layout import LlamaMesh
 from .llama import LlamaParallel, checkpoint_and_compile, llama_loss, loss_context, parallelize_llama, router_loss
 
 __all__ = [
     "checkpoint_and_compile",
     "ChunkedDispatcher",
+    "ChunkedHierarchicalDispatcher",
     "DispatchInfo",
     "ExpertParallel",
     "FlatDispatcher",

@@ -34,12 +34,21 @@ from .async_all_to_all import InFlightPair, start, wait
 from .dispatch import exchange_counts, expert_major_order, row_ranges
 from .flat import FlatDispatcher
 
-__all__ = ["ChunkedDispatcher"]
+__all__ = ["ChunkedDispatcher", "chunk_major", "cut"]
 
 
-def _cut(n: int, chunks: int) -> list[int]:
+def cut(n: int, chunks: int) -> list[int]:
     """Rows of each chunk in a block of ``n``: ``n*(c+1) // C - n*c // C``."""
     return [n * (c + 1) // chunks - n * c // chunks for c in range(chunks)]
+
+
+def chunk_major(sizes: list[int], chunks: int) -> list[tuple[int, int]]:
+    """The (start, rows) segments that lay rows out chunk by chunk: of blocks of ``sizes[n]``
+    rows in turn, chunk c takes rows ``[n*c // C, n*(c+1) // C)`` of each (`row_ranges`)."""
+    starts = [sum(sizes[:n]) for n in range(len(sizes))]
+    return [
+        (starts[n] + sizes[n] * c // chunks, cut(sizes[n], chunks)[c]) for c in range(chunks) for n in range(len(sizes))
+    ]
 
 
 class ChunkedDispatcher(FlatDispatcher):
@@ -59,20 +68,10 @@ class ChunkedDispatcher(FlatDispatcher):
         known = self.known_counts(layer, counts_E, routing)
         send, recv = exchange_counts(counts_E, xs_MD.shape[0], self.ep_group, known_counts=known)
         C, device = self.chunks, xs_MD.device
-        send_c = [[[_cut(n, C)[c] for n in row] for row in send] for c in range(C)]  # (C, W, El)
-        recv_c = [[[_cut(n, C)[c] for n in row] for row in recv] for c in range(C)]
+        send_c = [[[cut(n, C)[c] for n in row] for row in send] for c in range(C)]  # (C, W, El)
+        recv_c = [[[cut(n, C)[c] for n in row] for row in recv] for c in range(C)]
         # the send rows laid out chunk by chunk, each chunk by (destination, expert)
-        starts, pos = [], 0
-        for row in send:
-            starts.append([pos + sum(row[:e]) for e in range(len(row))])
-            pos += sum(row)
-        segments = [
-            (starts[j][e] + send[j][e] * c // C, send_c[c][j][e])
-            for c in range(C)
-            for j in range(len(send))
-            for e in range(len(send[j]))
-        ]
-        by_chunk, back = row_ranges(segments, device)
+        by_chunk, back = row_ranges(chunk_major([n for row in send for n in row], C), device)
         xs_MD = xs_MD.index_select(0, by_chunk)
         reorder = len(send[0]) > 1 and len(send) > 1  # received (source, expert) -> (expert, source)
 

@@ -33,6 +33,7 @@ from .dispatch import STRATEGIES
 from .flat import FlatDispatcher
 from .global_base import GroupBalance
 from .hierarchical import HierarchicalDispatcher, node_groups, resolve_ranks_per_node
+from .hierarchical_chunked import ChunkedHierarchicalDispatcher
 
 DISPATCHES = ("flat", "hierarchical", "auto")
 
@@ -98,7 +99,8 @@ def parallelize_moe(
             ep size), else the whole group is one node.
         chunks: C > 1 cuts each forward's row exchange into C chunks, each chunk's rows in
             flight while another's experts compute, forward and backward (`ChunkedDispatcher`;
-            the flat dispatch only, with the "resort" send order). 1: one exchange each way.
+            with dispatch="hierarchical", the exchange between nodes in C chunks,
+            `ChunkedHierarchicalDispatcher`; the "resort" send order). 1: one exchange each way.
 
     Every rank must call this with the same model and options (checked: a ValueError on every
     rank otherwise). The MoE layers' other parameters and buffers are broadcast from the mesh's
@@ -148,8 +150,6 @@ def parallelize_moe(
     if dispatch == "hierarchical" and (etp is not None or static_splits):
         what = f"etp={etp!r}" if etp is not None else "static_splits=True"
         raise ValueError(f"dispatch='hierarchical' supports neither etp nor static_splits; got {what}")
-    if dispatch == "hierarchical" and chunks > 1:
-        raise ValueError(f"chunks={chunks} overlaps the flat dispatch only; dispatch='hierarchical' takes chunks=1")
     for name, layer in layers:
         cfg = layer.config
         if cfg.num_experts % ep_size:
@@ -184,7 +184,11 @@ def parallelize_moe(
                 placements[etp_dim] = Shard(hidden)
             shard = distribute_tensor(w.detach(), mesh, placements)
             setattr(ex, wname, nn.Parameter(shard, requires_grad=w.requires_grad))
-        if groups is not None:
+        if groups is not None and chunks > 1:
+            dispatcher = ChunkedHierarchicalDispatcher(
+                mesh, layer.config.num_experts, chunks=chunks, ranks_per_node=ranks_per_node, groups=groups, ep=ep
+            )
+        elif groups is not None:
             dispatcher = HierarchicalDispatcher(
                 mesh, layer.config.num_experts, ranks_per_node=ranks_per_node, groups=groups, ep=ep,
                 strategy=dispatch_strategy,

@@ -83,6 +83,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; bf16 / fp32 force it
     dispatch: str = "flat"  # expert-parallel dispatch: flat, hierarchical (two-level over nodes) or auto
     ranks_per_node: int | None = None  # the ep group's ranks per node (None: LOCAL_WORLD_SIZE)
+    ep_chunks: int = 1  # the expert-parallel exchange in this many chunks, overlapping the experts' compute
     grad_accum: int = 1  # without pipeline stages: backward passes per step over slices of each rank's rows
 
     def to_dict(self) -> dict:
@@ -98,7 +99,7 @@ class TrainConfig:
 # as a whole (the fields not given take their defaults), so `--resume --nproc 1` is one process
 LAYOUT_FIELDS = (
     "nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "pp_schedule", "micro_batches", "dispatch",
-    "ranks_per_node",
+    "ranks_per_node", "ep_chunks",
 )  # fmt: skip
 
 RESUME_KEEPS = (
