@@ -190,7 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-bytes", type=int, default=1 << 26)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--docs", action="store_true", help="rewrite the all-to-all section of docs/benchmarks.md")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="bytes between nodes per token, flat against two-level (benchmarks/node_bytes.py); "
+                   "under torchrun also the gloo times")  # fmt: skip
+    p.add_argument("--ranks-per-node", type=int, default=None, help="--hierarchical under torchrun: the layout")
     args = p.parse_args(argv)
+    if args.hierarchical:
+        return _hierarchical(args, argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -216,6 +222,27 @@ def main(argv: list[str] | None = None) -> None:
                 write_section("all-to-all", text, "## All-to-all and the expert-parallel dispatcher")
     finally:
         dist.destroy_process_group()
+
+
+def _hierarchical(args, argv) -> None:
+    from benchmarks import node_bytes
+
+    times = None
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: time the two dispatchers too
+        dist.init_process_group("gloo")
+        try:
+            world = dist.get_world_size()
+            ranks_per_node = args.ranks_per_node or max(world // 2, 1)
+            times = node_bytes.gloo_times(
+                ranks_per_node, args.repeats, lambda fns, n: _time(fns, n, torch.device("cpu"))
+            )
+        finally:
+            dist.destroy_process_group()
+    if times is None or int(os.environ.get("RANK", 0)) == 0:
+        text = node_bytes.markdown(node_bytes.rows(), times)
+        print(text)
+        if args.docs:
+            write_section("node-bytes", text, "## Bytes between nodes: flat and two-level dispatch")
 
 
 if __name__ == "__main__":

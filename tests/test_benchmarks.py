@@ -119,3 +119,22 @@ def test_global_base_benchmark_rows_on_random_and_training_scores():
         assert r["rounds"] >= 4 and 0 < r["bytes"] and r["gathered_bytes"] == r["W"] * r["T"] * r["E"] * 4
         assert 0 <= r["margin_rows"] <= r["W"] * r["T"]
     assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))
+
+
+def test_node_bytes_count_what_crosses_between_nodes(capsys):
+    """The inter-node counts follow the uniform expectation without a node limit, the node limit
+    caps the nodes a token reaches at M, and deduplication halves the top-8 bytes under M=4."""
+    from benchmarks import all_to_all, node_bytes
+
+    rows = {r["name"]: r for r in node_bytes.rows(tokens=4096)}
+    for name in ("top-2 of 8 experts, 2 nodes", "top-8 of 256 experts, 8 nodes"):
+        r = rows[name]
+        assert (
+            abs(r["flat_vectors"] - r["uniform_flat"]) < 0.05
+            and abs(r["two_level_vectors"] - r["uniform_two_level"]) < 0.1
+        )
+        assert r["two_level_bytes"] < r["flat_bytes"]
+    limited = rows["top-8 of 256 experts, 8 nodes, M=4"]
+    assert limited["max_nodes"] == 4 and limited["ratio"] > 1.9
+    all_to_all.main(["--hierarchical"])  # one process: the counts, no process group
+    assert "| top-8 of 256 experts, 8 nodes, M=4 | 7168 |" in capsys.readouterr().out

@@ -70,6 +70,8 @@ def _check_train(args, p) -> None:
         raise UsageError(f"--nproc {args.nproc} differs from torchrun's world size {world}: drop --nproc there")
     if args.dispatch == "hierarchical" and args.etp:
         raise UsageError("--dispatch hierarchical does not shard experts over tp: drop --etp or use --dispatch flat")
+    if args.ep_chunks > 1 and args.ep == 1:
+        raise UsageError(f"--ep-chunks {args.ep_chunks} chunks the expert-parallel exchange: it needs --ep > 1")
     if args.ranks_per_node is not None and args.ep % args.ranks_per_node:
         raise UsageError(f"--ranks-per-node {args.ranks_per_node} must divide --ep {args.ep} (the ep group's nodes)")
     if args.etp and args.tp == 1:

@@ -109,6 +109,9 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      help="ranks per node of the ep group, for --dispatch (default: LOCAL_WORLD_SIZE)")  # fmt: skip
     lay.add_argument("--reshard", type=int, choices=(0, 1), default=d.reshard,
                      help="0: FSDP2 keeps each block gathered from forward to backward (plan's reshard=0)")  # fmt: skip
+    lay.add_argument("--ep-chunks", type=_positive("--ep-chunks"), default=d.ep_chunks,
+                     help="with --ep: the expert exchange in this many chunks, each in flight while another's "
+                     "experts compute")  # fmt: skip
     lay.add_argument("--grad-accum", type=_positive("--grad-accum"), default=d.grad_accum,
                      help="without --pp: backward passes per step, over slices of each rank's rows")  # fmt: skip
     lay.add_argument("--layout", default=None,

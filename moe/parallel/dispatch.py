@@ -40,8 +40,11 @@ __all__ = [
     "PeerFailedError",
     "combine",
     "dispatch",
+    "exchange_counts",
+    "expert_major_order",
     "raise_if_peers_failed",
     "resolve_strategy",
+    "row_ranges",
     "send_key",
 ]
 
@@ -116,6 +119,55 @@ def _transpose(m: list[list[int]]) -> list[list[int]]:
     return [list(col) for col in zip(*m, strict=True)]
 
 
+def row_ranges(segments: list[tuple[int, int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The rows ``start, ..., start + n - 1`` of each ``(start, n)`` in turn, and the inverse of
+    that permutation (when the segments cover the rows): made on the host from the sizes, so
+    nothing is read back from the device."""
+    order = torch.cat([torch.arange(s, s + n) for s, n in segments] or [torch.zeros(0, dtype=torch.int64)])
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    return order.to(device, non_blocking=True), inverse.to(device, non_blocking=True)
+
+
+def expert_major_order(recv: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Received rows are laid out by source rank j, then local expert e (``recv[j][e]`` rows
+    each); the order that lays them out by expert, then source (for the grouped GEMM), and its
+    inverse."""
+    starts, pos = [], 0
+    for row in recv:
+        starts.append([pos + sum(row[:e]) for e in range(len(row))])
+        pos += sum(row)
+    return row_ranges([(starts[j][e], recv[j][e]) for e in range(len(recv[0])) for j in range(len(recv))], device)
+
+
+def exchange_counts(
+    counts_E: Tensor, num_rows: int, group, *, known_counts: list[int] | None = None, strategy: str = "resort"
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The splits of `dispatch`'s row exchange, on the host: (send, recv), each (W, El) lists,
+    rows sent to (received from) rank j for local expert e. One all-to-all of the counts and
+    one host sync, none with ``known_counts`` (see `dispatch`); a rank that failed (negative
+    counts) raises PeerFailedError on every rank. ``strategy`` ("resort" or "per_expert") is
+    the order ``counts_E`` (rows per sort key) is in."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_experts = counts_E.numel()
+    if num_experts % world:
+        raise ValueError(f"the {num_experts} experts must split evenly over the {world} ranks of the group")
+    per_rank = num_experts // world
+    if known_counts is not None:
+        if len(known_counts) != num_experts or sum(known_counts) != num_rows:
+            raise ValueError(
+                f"known_counts must hold {num_experts} counts summing to the {num_rows} rows, got {known_counts}"
+            )
+        send = [list(known_counts[j * per_rank : (j + 1) * per_rank]) for j in range(world)]
+        return send, [send[rank]] * world
+    c = counts_E.to(torch.int64)
+    send_WE = c.view(world, per_rank) if strategy == "resort" else c.view(per_rank, world).T.contiguous()
+    recv_WE = torch.empty_like(send_WE)  # counts need no autograd: the in-place collective is cheaper
+    dist.all_to_all_single(recv_WE, send_WE, group=group)
+    send, recv = send_WE.tolist(), recv_WE.tolist()  # host sync: the sizes
+    raise_if_peers_failed([min(row) for row in recv], group, "dispatch")
+    return send, recv
+
+
 def dispatch(
     x_MD: Tensor,
     counts_E: Tensor,
@@ -135,26 +187,10 @@ def dispatch(
     the caller's contract that they hold on every rank; ``counts_E`` is not read.
     """
     group = group or dist.group.WORLD
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     strategy = resolve_strategy(strategy, x_MD.device)
-    num_experts = counts_E.numel()
-    if num_experts % world:
-        raise ValueError(f"the {num_experts} experts must split evenly over the {world} ranks of the group")
-    per_rank = num_experts // world
-    if known_counts is not None:
-        if len(known_counts) != num_experts or sum(known_counts) != x_MD.shape[0]:
-            raise ValueError(
-                f"known_counts must hold {num_experts} counts summing to the {x_MD.shape[0]} rows, got {known_counts}"
-            )
-        send = [list(known_counts[j * per_rank : (j + 1) * per_rank]) for j in range(world)]
-        recv = [send[rank]] * world
-    else:
-        c = counts_E.to(torch.int64)
-        send_WE = c.view(world, per_rank) if strategy == "resort" else c.view(per_rank, world).T.contiguous()
-        recv_WE = torch.empty_like(send_WE)  # counts need no autograd: the in-place collective is cheaper
-        dist.all_to_all_single(recv_WE, send_WE, group=group)
-        send, recv = send_WE.tolist(), recv_WE.tolist()  # host sync: the sizes
-        raise_if_peers_failed([min(row) for row in recv], group, "dispatch")
+    send, recv = exchange_counts(counts_E, x_MD.shape[0], group, known_counts=known_counts, strategy=strategy)
+    per_rank = counts_E.numel() // world
     counts_local = torch.tensor([sum(col) for col in zip(*recv, strict=True)], dtype=torch.int64)  # on the host
     if strategy == "per_expert":
         x_local = _ExpertBlocks.apply(x_MD, _transpose(send), _transpose(recv), group)
@@ -163,15 +199,7 @@ def dispatch(
     if per_rank == 1 or world == 1:  # (source, expert) order is already (expert, source) order
         return x_recv, counts_local, DispatchInfo(strategy, send, recv, None, group)
     # received layout: by source rank, then expert; local layout: by expert, then source rank
-    starts, segments = [], []
-    pos = 0
-    for row in recv:
-        starts.append([pos + sum(row[:e]) for e in range(per_rank)])
-        pos += sum(row)
-    for e in range(per_rank):
-        segments += [(starts[j][e], recv[j][e]) for j in range(world)]
-    order = torch.cat([torch.arange(s, s + n) for s, n in segments]).to(x_MD.device, non_blocking=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    order, inverse = expert_major_order(recv, x_MD.device)
     return x_recv.index_select(0, order), counts_local, DispatchInfo(strategy, send, recv, inverse, group)
 
 

@@ -28,10 +28,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..layer import MoE
 from ..routing import BaseRouter, TopKRouter
 from .agreement import all_reduce_mesh, check_same_config
+from .chunked import ChunkedDispatcher
 from .dispatch import STRATEGIES
 from .flat import FlatDispatcher
 from .global_base import GroupBalance
 from .hierarchical import HierarchicalDispatcher, node_groups, resolve_ranks_per_node
+from .hierarchical_chunked import ChunkedHierarchicalDispatcher
 
 DISPATCHES = ("flat", "hierarchical", "auto")
 
@@ -73,6 +75,7 @@ def parallelize_moe(
     dispatch_strategy: str = "auto",
     dispatch: str = "flat",
     ranks_per_node: int | None = None,
+    chunks: int = 1,
 ) -> nn.Module:
     """Spread the experts of every `MoE` layer in ``module`` over ``mesh``; returns ``module``.
 
@@ -96,6 +99,10 @@ def parallelize_moe(
         ranks_per_node: the ep ranks per node (ep rank r is on node r // ranks_per_node); must
             divide the ep size. Default: the environment's ``LOCAL_WORLD_SIZE`` (at most the
             ep size), else the whole group is one node.
+        chunks: C > 1 cuts each forward's row exchange into C chunks, each chunk's rows in
+            flight while another's experts compute, forward and backward (`ChunkedDispatcher`;
+            with dispatch="hierarchical", the exchange between nodes in C chunks,
+            `ChunkedHierarchicalDispatcher`; the "resort" send order). 1: one exchange each way.
 
     Every rank must call this with the same model and options (checked: a ValueError on every
     rank otherwise). The MoE layers' other parameters and buffers are broadcast from the mesh's
@@ -114,6 +121,7 @@ def parallelize_moe(
         "dispatch": dispatch,
         # the default comes from each rank's environment: ranks that read different ones disagree
         "ranks_per_node": ranks_per_node if ranks_per_node is not None or dispatch == "flat" else _env_rpn(),
+        "chunks": chunks,
         "mesh": tuple(mesh.shape),
     }
     if global_base not in (False, True, "gather"):
@@ -124,6 +132,12 @@ def parallelize_moe(
         raise ValueError(f"dispatch_strategy must be one of {STRATEGIES}, got {dispatch_strategy!r}")
     if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    if chunks > 1 and dispatch_strategy == "per_expert":
+        raise ValueError(
+            "chunks > 1 sends each chunk's rows in one all-to-all: use dispatch_strategy 'resort' or 'auto'"
+        )
     if ep_dim == etp_dim:
         raise ValueError(f"ep and etp must name different mesh dimensions, got {ep!r} for both")
     if not layers:
@@ -174,11 +188,19 @@ def parallelize_moe(
                 placements[etp_dim] = Shard(hidden)
             shard = distribute_tensor(w.detach(), mesh, placements)
             setattr(ex, wname, nn.Parameter(shard, requires_grad=w.requires_grad))
-        if groups is not None:
+        if groups is not None and chunks > 1:
+            dispatcher = ChunkedHierarchicalDispatcher(
+                mesh, layer.config.num_experts, chunks=chunks, ranks_per_node=ranks_per_node, groups=groups, ep=ep
+            )
+        elif groups is not None:
             dispatcher = HierarchicalDispatcher(
                 mesh, layer.config.num_experts, ranks_per_node=ranks_per_node, groups=groups, ep=ep,
                 strategy=dispatch_strategy,
             )  # fmt: skip
+        elif chunks > 1:
+            dispatcher = ChunkedDispatcher(
+                mesh, layer.config.num_experts, chunks=chunks, ep=ep, etp=etp, static_splits=static_splits
+            )
         else:
             dispatcher = FlatDispatcher(
                 mesh, layer.config.num_experts, ep=ep, etp=etp, static_splits=static_splits, strategy=dispatch_strategy

@@ -156,21 +156,28 @@ class FlatDispatcher(Dispatcher):
 
     def run_experts(self, layer: MoE, xs_MD: Tensor, counts_E: Tensor, routing) -> Tensor:
         """Expert-sorted rows of the routed tokens -> the experts' outputs, in the same order."""
-        if "static" in self.agreement.ahead:  # the static path, with a router that reads anyway
-            self.agreement.static_sizes(routing.expert_idx.shape[0])
-        self.agreement.start([])  # the count exchange, if any, is the last status collective
-        known = None
-        if self._static(layer.router):
-            num_tokens, k = routing.expert_idx.shape
-            known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()  # made on the host
-            expected = expert_capacities(num_tokens, layer.config.num_experts, k, device=counts_E.device)
-            if self.strategy == "per_expert":  # the send order: by local expert, then by rank
-                expected = expected.view(self.ep_size, -1).T.reshape(-1)
-            torch._assert_async((counts_E == expected).all())  # the promise, checked without a host sync
+        known = self.known_counts(layer, counts_E, routing)
         x_local, counts_local, info = dispatch(
             xs_MD, counts_E, self.ep_group, known_counts=known, strategy=self.strategy
         )
         return combine(layer.experts(x_local, counts_local), info)
+
+    def known_counts(self, layer: MoE, counts_E: Tensor, routing) -> list[int] | None:
+        """Before the rows move: the last status collective's host-side part, and the rows per
+        global expert every rank sends when they are known on the host (the static path), else
+        None (the count exchange follows)."""
+        if "static" in self.agreement.ahead:  # the static path, with a router that reads anyway
+            self.agreement.static_sizes(routing.expert_idx.shape[0])
+        self.agreement.start([])  # the count exchange, if any, is the last status collective
+        if not self._static(layer.router):
+            return None
+        num_tokens, k = routing.expert_idx.shape
+        known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()  # made on the host
+        expected = expert_capacities(num_tokens, layer.config.num_experts, k, device=counts_E.device)
+        if self.strategy == "per_expert":  # the send order: by local expert, then by rank
+            expected = expected.view(self.ep_size, -1).T.reshape(-1)
+        torch._assert_async((counts_E == expected).all())  # the promise, checked without a host sync
+        return known
 
     def fail(self, layer: MoE, err: Exception) -> NoReturn:
         """This rank cannot route (e.g. NaN input), or learnt in a status collective that another

@@ -97,9 +97,33 @@ class HierarchicalDispatcher(FlatDispatcher):
         self.last_internode_rows: int | None = None
 
     def __call__(self, layer: MoE, x_TD: Tensor, routing, gates_TK: Tensor) -> Tensor:
-        self.agreement.start([])  # the count exchange below is the forward's last status collective
+        pair_token, send, recv, rows_SX, local_SK = self.pairs(x_TD, routing, gates_TK)
         num_tokens, dim = x_TD.shape
         k = routing.expert_idx.shape[1]
+        per_node = self.num_experts // self.num_nodes
+        rows_RX = all_to_all(rows_SX, recv, send, self.node_group)
+        local_RK = all_to_all(local_SK.reshape(-1), [n * k for n in recv], [n * k for n in send], self.node_group)
+        x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:]
+
+        # stage 2: the received pairs over the node's ranks, as a flat dispatcher routes tokens
+        cfg = layer.config
+        keys = send_key(local_RK.view(-1, k), per_node, self.ranks_per_node, self.strategy)
+        xs_MD, info = permute(x_RD, keys, num_experts=per_node, backend=cfg.backend)
+        x_local, counts_local, sent_info = dispatch(xs_MD, info.counts, self.local_group, strategy=self.strategy)
+        ys_MD = combine(layer.experts(x_local, counts_local), sent_info)
+        partial_RD = unpermute(ys_MD, info, g_RK, backend=cfg.backend)  # one sum per (token, node)
+
+        # stage 1 back: each node's partial goes home, where they are added
+        partial_SD = all_to_all(partial_RD, send, recv, self.node_group)
+        return x_TD.new_zeros(num_tokens, dim).index_add(0, pair_token, partial_SD)
+
+    def pairs(self, x_TD: Tensor, routing, gates_TK: Tensor):
+        """The (token, node) pairs this rank sends, sorted by node then token, after the count
+        exchange: (pair_token (S,), send (N,) pairs to each node, recv (N,) pairs from each
+        node, rows_SX (S, D + K) each pair's token and its gates for that node's slots,
+        local_SK (S, K) the node-local expert of each slot there, -1 elsewhere)."""
+        self.agreement.start([])  # the count exchange below is the forward's last status collective
+        num_tokens = x_TD.shape[0]
         per_node, per_rank = self.num_experts // self.num_nodes, self.num_experts // self.ep_size
         idx_TK = routing.expert_idx
         node_TK = torch.where(idx_TK >= 0, torch.div(idx_TK, per_node, rounding_mode="floor"), -1)
@@ -127,18 +151,4 @@ class HierarchicalDispatcher(FlatDispatcher):
         local_SK = torch.where(on_node_SK, idx_TK[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         gates_SK = gates_TK[pair_token].masked_fill(~on_node_SK, 0)
         rows_SX = torch.cat([x_TD[pair_token], gates_SK], dim=1)
-        rows_RX = all_to_all(rows_SX, recv, send, self.node_group)
-        local_RK = all_to_all(local_SK.reshape(-1), [n * k for n in recv], [n * k for n in send], self.node_group)
-        x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:]
-
-        # stage 2: the received pairs over the node's ranks, as a flat dispatcher routes tokens
-        cfg = layer.config
-        keys = send_key(local_RK.view(-1, k), per_node, self.ranks_per_node, self.strategy)
-        xs_MD, info = permute(x_RD, keys, num_experts=per_node, backend=cfg.backend)
-        x_local, counts_local, sent_info = dispatch(xs_MD, info.counts, self.local_group, strategy=self.strategy)
-        ys_MD = combine(layer.experts(x_local, counts_local), sent_info)
-        partial_RD = unpermute(ys_MD, info, g_RK, backend=cfg.backend)  # one sum per (token, node)
-
-        # stage 1 back: each node's partial goes home, where they are added
-        partial_SD = all_to_all(partial_RD, send, recv, self.node_group)
-        return x_TD.new_zeros(num_tokens, dim).index_add(0, pair_token, partial_SD)
+        return pair_token, send, recv, rows_SX, local_SK

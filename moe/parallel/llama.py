@@ -279,6 +279,7 @@ def parallelize_llama(
     global_base: bool | str = False,
     dispatch: str = "flat",
     ranks_per_node: int | None = None,
+    chunks: int = 1,
     names: dict[str, str] | None = None,
 ) -> nn.Module:
     """Lay ``model`` (a `Llama`, or a pipeline stage of one) out over ``mesh``; returns ``model``.
@@ -296,8 +297,9 @@ def parallelize_llama(
             options); an MoE block compiles whole on one rank's experts; expert-parallel,
             tensor-parallel or checkpointed, its MoE layer stays eager (see `_compile_block`).
         mp_policy: FSDP2's `MixedPrecisionPolicy` (e.g. bf16 params, fp32 reductions on GPU).
-        static_splits, global_base, dispatch, ranks_per_node: passed to `parallelize_moe`
-            (``dispatch="hierarchical"``: the two-level dispatcher over the ep group's nodes).
+        static_splits, global_base, dispatch, ranks_per_node, chunks: passed to `parallelize_moe`
+            (``dispatch="hierarchical"``: the two-level dispatcher over the ep group's nodes;
+            ``chunks=C``: the exchange in C chunks overlapping the experts).
 
     Every rank calls this with the same model (built from the same seed: the parameters are
     sharded from the values each rank holds) and options; a disagreement, or a layout that does
@@ -310,7 +312,7 @@ def parallelize_llama(
     options = dict(
         mesh=lm.describe(), etp=etp, loss_parallel=loss_parallel, ac=activation_checkpoint, compile=compile,
         mp=repr(mp_policy), static_splits=static_splits, global_base=global_base, dispatch=dispatch,
-        ranks_per_node=ranks_per_node,
+        ranks_per_node=ranks_per_node, chunks=chunks,
     )  # fmt: skip
     mine = {"config": repr(model.config), "layers": sorted(model.layers.keys()), "options": options}
     check_agreement("parallelize_llama", mine, lm.world["dp_tp"].get_group())  # the ranks of this stage
@@ -329,7 +331,7 @@ def parallelize_llama(
         moe_mesh = world["ep", "tp"] if etp else world["ep"]
         parallelize_moe(
             model, moe_mesh, ep="ep", etp="tp" if etp else None, static_splits=static_splits,
-            global_base=global_base, dispatch=dispatch, ranks_per_node=ranks_per_node,
+            global_base=global_base, dispatch=dispatch, ranks_per_node=ranks_per_node, chunks=chunks,
         )  # fmt: skip
     if lm.dp_size > 1:
         for _, layer in moe_layers:

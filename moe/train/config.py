@@ -87,6 +87,7 @@ class TrainConfig:
     dispatch: str = "flat"  # expert-parallel dispatch: flat, hierarchical (two-level over nodes) or auto
     ranks_per_node: int | None = None  # the ep group's ranks per node (None: LOCAL_WORLD_SIZE)
     reshard: int = 1  # FSDP2 reshard_after_forward; 0 (plan's reshard=0) keeps each block gathered until backward
+    ep_chunks: int = 1  # the expert-parallel exchange in this many chunks, overlapping the experts' compute
     grad_accum: int = 1  # without pipeline stages: backward passes per step over slices of each rank's rows
 
     def to_dict(self) -> dict:
@@ -102,7 +103,7 @@ class TrainConfig:
 # as a whole (the fields not given take their defaults), so `--resume --nproc 1` is one process
 LAYOUT_FIELDS = (
     "nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate", "pp_schedule", "micro_batches", "dispatch",
-    "ranks_per_node", "reshard",
+    "ranks_per_node", "reshard", "ep_chunks",
 )  # fmt: skip
 
 RESUME_KEEPS = (

@@ -150,7 +150,7 @@ def parallelize(model: nn.Module, cfg, device: torch.device) -> tuple[nn.Module,
     # BASE balances over the whole ep group, as one process balances over the whole batch
     global_base = cfg.ep > 1 and moe is not None and moe.router == "base"
     blocks = dict(activation_checkpoint=False if cfg.ac == "none" else cfg.ac, dispatch=cfg.dispatch,
-                  ranks_per_node=cfg.ranks_per_node, compile=cfg.compile,
+                  ranks_per_node=cfg.ranks_per_node, compile=cfg.compile, chunks=cfg.ep_chunks,
                   reshard_after_forward=bool(cfg.reshard))  # fmt: skip
     if cfg.pp == 1:
         model = parallelize_llama(model, lm, ep=cfg.ep, etp=cfg.etp, global_base=global_base, **blocks)

@@ -9,7 +9,6 @@ same checks on the same arguments before any of them joins the process group).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
@@ -73,9 +72,7 @@ def layout_options(text: str, world: int | None) -> tuple[dict, int]:
     if lay.dispatch != "flat":
         opts["dispatch"] = lay.dispatch
     if lay.chunks > 1:
-        if "chunks" not in {f.name for f in dataclasses.fields(TrainConfig)}:
-            raise ValueError(f"--layout {text!r}: chunks={lay.chunks} is not run by the trainer yet; drop it")
-        opts["chunks"] = lay.chunks
+        opts["ep_chunks"] = lay.chunks
     return opts, lay.micro_batch
 
 
@@ -152,7 +149,7 @@ def train_layout(cfg: TrainConfig, on_gpu: bool):
         schedule="interleaved_1f1b" if cfg.pp > 1 and interleaved else ("1f1b" if cfg.pp == 1 else cfg.pp_schedule),
         ep=cfg.ep, etp=cfg.etp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate, reshard=bool(cfg.reshard),
         precision="bf16" if on_gpu else "fp32", micro_batch=max(1, cfg.batch // dp // micro),
-        dispatch="hierarchical" if two_level else "flat", chunks=getattr(cfg, "chunks", 1) if cfg.ep > 1 else 1,
+        dispatch="hierarchical" if two_level else "flat", chunks=cfg.ep_chunks if cfg.ep > 1 else 1,
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """The two-level dispatcher over gloo, 4 ranks as 2 nodes x 2: the flat dispatcher's outputs and
 every gradient for top-k, group-limited top-k (a group per node), BASE and global BASE, with a
 rank that has no tokens and a node that receives nothing; the rows sent between nodes are the
-deduplicated count; a failing rank fails every rank; bad arguments raise. One launch."""
+deduplicated count; a failing rank fails every rank; bad arguments raise; the same in 2-4
+overlapped chunks, with no more host reads. One launch."""
 
 import copy
 import os
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from moe import MoE, MoEConfig, aux_loss
 from moe.parallel import FlatDispatcher, HierarchicalDispatcher, parallelize_moe
 
+from ..host_reads import HostReads
 from .launch import init, spawn
 
 pytestmark = pytest.mark.distributed
@@ -54,13 +56,14 @@ def internode_pairs(expert_idx: torch.Tensor, node: int) -> int:
 
 
 def check_same_as_flat(
-    mesh, case: str, tokens: list[int], *, away_from: int | None = None, ranks_per_node: int = PER_NODE, **options
+    mesh, case: str, tokens: list[int], *, away_from: int | None = None, ranks_per_node: int | None = None, **options
 ) -> tuple[int, int]:
     """Outputs, x.grad and every parameter's (local) gradient equal the flat dispatcher's on the
     same rank; the rows sent between nodes are the deduplicated count, returned with the
     flat dispatcher's (one per kept slot on another node). ``away_from``: a node
     whose experts no token chooses (a selection bias), so it receives nothing."""
     rank = dist.get_rank()
+    ranks_per_node = ranks_per_node or PER_NODE
     base = build(case)
     if away_from is not None:
         with torch.no_grad():
@@ -70,8 +73,9 @@ def check_same_as_flat(
     results = {}
     for dispatch in ("flat", "hierarchical"):
         layer = parallelize_moe(copy.deepcopy(base), mesh, dispatch=dispatch, ranks_per_node=ranks_per_node, **options)
-        kind = HierarchicalDispatcher if dispatch == "hierarchical" else FlatDispatcher
-        assert type(layer.dispatcher) is kind
+        assert isinstance(layer.dispatcher, FlatDispatcher)
+        assert isinstance(layer.dispatcher, HierarchicalDispatcher) == (dispatch == "hierarchical")
+        assert getattr(layer.dispatcher, "chunks", 1) == options.get("chunks", 1)
         x = x_in.clone().requires_grad_()
         y = layer(x)
         ((y * scale).sum() + aux_loss(layer)).backward()
@@ -87,7 +91,7 @@ def check_same_as_flat(
     expect = internode_pairs(layer.last_routing.expert_idx, node)
     assert layer.dispatcher.last_internode_rows == expect, (case, layer.dispatcher.last_internode_rows, expect)
     if away_from is not None:  # nothing reached that node: its experts got no gradient
-        ranks = range(away_from * PER_NODE, (away_from + 1) * PER_NODE)
+        ranks = range(away_from * ranks_per_node, (away_from + 1) * ranks_per_node)
         if rank in ranks:
             assert not g["experts.w1"].any()
     idx = layer.last_routing.expert_idx
@@ -103,10 +107,23 @@ def check_dedup_saves(mesh) -> None:
     assert 0 < total[0] < total[1], total
 
 
-def check_failing_rank(mesh) -> None:
+def check_no_new_host_reads(mesh) -> None:
+    """In chunks the two-level dispatcher reads back no more than in one piece (the pairs, the
+    ep counts, the node's counts), forward and backward."""
+    x = tokens_of("topk", dist.get_rank(), 7).requires_grad_()
+    reads = {}
+    for chunks in (1, 3):
+        layer = parallelize_moe(build("topk"), mesh, dispatch="hierarchical", ranks_per_node=PER_NODE, chunks=chunks)
+        with HostReads(x, *layer.parameters()) as seen:
+            (layer(x) * torch.linspace(-1, 1, 8)).sum().backward()
+        reads[chunks] = seen.reads
+    assert len(reads[3]) <= len(reads[1]) and set(reads[3]) <= set(reads[1]), reads
+
+
+def check_failing_rank(mesh, chunks: int = 1) -> None:
     """A rank whose input cannot be routed (NaN) raises, and so do the others; the group stays usable."""
     rank = dist.get_rank()
-    layer = parallelize_moe(build("topk"), mesh, dispatch="hierarchical", ranks_per_node=PER_NODE)
+    layer = parallelize_moe(build("topk"), mesh, dispatch="hierarchical", ranks_per_node=PER_NODE, chunks=chunks)
     x = tokens_of("topk", rank, 5)
     if rank == 2:
         x[1, 0] = float("nan")
@@ -149,7 +166,12 @@ def worker(rank: int, world: int, store: str) -> None:
         check_same_as_flat(mesh, "base", [6, 6, 5, 8])
         check_same_as_flat(mesh, "base", [8, 0, 6, 6], dispatch_strategy="resort")
         check_same_as_flat(mesh, "base-global", [5, 0, 6, 3], global_base=True)
+        check_same_as_flat(mesh, "topk-dropping", [6, 1, 0, 4], chunks=2)  # both in chunks: fewer rows than chunks
+        check_same_as_flat(mesh, "grouped", [5, 4, 7, 6], away_from=1, chunks=3)
+        check_same_as_flat(mesh, "base-global", [5, 0, 6, 3], global_base=True, chunks=4)
         check_failing_rank(mesh)
+        check_failing_rank(mesh, chunks=2)
+        check_no_new_host_reads(mesh)
         check_bad_arguments(mesh)
         dp_ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))  # ep groups {0, 1}, {2, 3}
         check_same_as_flat(dp_ep, "topk", [4, 7, 0, 5], ranks_per_node=1)  # two nodes of one rank
@@ -163,3 +185,30 @@ def worker(rank: int, world: int, store: str) -> None:
 
 def test_hierarchical_matches_flat():
     spawn(worker, NODES * PER_NODE)
+
+
+def worker_8(rank: int, world: int, store: str, nodes: int) -> None:
+    """8 ranks as ``nodes`` x 8 / nodes: the module's layout constants set for this process."""
+    global NODES, PER_NODE
+    NODES, PER_NODE = nodes, world // nodes
+    CASES["grouped"] = dict(CASES["grouped"], router_options={"n_groups": nodes, "topk_groups": 1})
+    init(rank, world, store)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        dedup, per_slot = check_same_as_flat(mesh, "topk", [9, 0, 7, 5, 3, 6, 1, 8])
+        assert dedup <= per_slot
+        check_same_as_flat(mesh, "topk-dropping", [6, 6, 0, 4, 5, 2, 7, 3], dispatch_strategy="resort")
+        check_same_as_flat(mesh, "grouped", [6, 3, 0, 8, 2, 5, 4, 7])
+        check_same_as_flat(mesh, "grouped", [5, 4, 7, 6, 3, 3, 2, 9], away_from=nodes - 1)  # a node receives nothing
+        check_same_as_flat(mesh, "base", [6, 6, 5, 8, 0, 4, 3, 7])
+        check_same_as_flat(mesh, "base-global", [5, 0, 6, 3, 4, 4, 2, 1], global_base=True)
+        check_same_as_flat(mesh, "grouped", [6, 3, 0, 8, 2, 5, 4, 7], chunks=2)
+        check_failing_rank(mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [2, 4], ids=["2x4", "4x2"])
+def test_hierarchical_matches_flat_on_8_ranks(nodes):
+    spawn(worker_8, 8, nodes)

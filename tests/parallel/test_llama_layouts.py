@@ -31,6 +31,7 @@ def two_rank_layouts(rank, world, store):
     L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 checkpointed", ep=2, activation_checkpoint=True)
     hierarchical = dict(dispatch="hierarchical", ranks_per_node=1)  # two nodes of one rank: ep's slice unflattened
     L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 hierarchical", ep=2, **hierarchical)
+    L.run_parallel(cfg, _mesh((2,), ("dp_shard",)), "ep=2 in 2 chunks", ep=2, chunks=2)
     model = parallelize_llama(L.build(cfg), _mesh((2,), ("dp_shard",)), ep=2, **hierarchical)
     assert {type(m.dispatcher) for m in model.modules() if isinstance(m, MoE)} == {HierarchicalDispatcher}
     for router in ROUTERS:

@@ -67,15 +67,16 @@ def topk_one(tmp_path_factory, data):
 
 
 def test_ep2_then_tp2_then_one_process_give_the_one_process_losses(tmp_path, data):
-    """One run through three layouts: dp_shard=2 x ep=2 for steps 1-2, resumed under tp=2 x
-    dp_shard=1 for step 3, then in one process for step 4; every step's loss equals the
-    uninterrupted one-process run's."""
+    """One run through three layouts: dp_shard=2 x ep=2 (the exchange in 2 overlapped chunks)
+    for steps 1-2, resumed under tp=2 x dp_shard=1 for step 3, then in one process for step 4;
+    every step's loss equals the uninterrupted one-process run's."""
     common = [*TINY, "--data", data, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 10, "--aux-loss-coef", 0]
     one, run = tmp_path / "one", tmp_path / "run"
     moe("train", *common, "--out", one)
     expect = _metrics(one)
-    moe("train", *common, "--out", run, "--nproc", 2, "--ep", 2, "--stop-at", 2)  # dp_shard=2 x ep=2
+    moe("train", *common, "--out", run, "--nproc", 2, "--ep", 2, "--ep-chunks", 2, "--stop-at", 2)  # dp_shard=2 x ep=2
     _same(_metrics(run), expect, "ep=2")
+    assert json.loads((run / "config.json").read_text())["moe_dispatch"] == ["ChunkedDispatcher"]
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2]
     saved = run / "checkpoints" / "step_000002"  # the manifest covers both ranks' files
     listed = json.loads((saved / "manifest.json").read_text())["files"]

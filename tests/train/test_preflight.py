@@ -130,6 +130,7 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
          ["--nproc", "4", "--pp", "2", "--tp", "2", "--etp", "--reshard", "0", "--micro-batches", "2"]),
         (Layout(ep=4, dp_shard=4, dispatch="hierarchical"),
          ["--nproc", "4", "--ep", "4", "--dispatch", "hierarchical"]),
+        (Layout(ep=2, dp_shard=2, chunks=2), ["--nproc", "2", "--ep", "2", "--ep-chunks", "2"]),
     ]  # fmt: skip
     for lay, flags in cases:
         text = lay.short()
