@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
+from .base_time import global_base_bytes, global_base_s, uses_global_base
 from .dispatch_time import ep_layer, exchange_s, exposed
 from .hardware import EFFICIENCY, GPU, Efficiency
 from .layout import Layout
@@ -106,7 +107,7 @@ def step_time(
     flops = {kind: _layer_flops(cfg, lay, i, T, S) for kind, i in _kinds(cfg)}
     n_coll = 12 if lay.recompute else 8  # AG + RS before/after attention and MLP, forward + backward
     tp_layer = n_coll * (lay.tp - 1) / lay.tp * T * D * a if lay.tp > 1 else 0.0
-    ep_in_layer = ep_out_layer = ep_layer_s = ep_hidden_layer_s = 0.0
+    ep_in_layer = ep_out_layer = ep_layer_s = ep_hidden_layer_s = base_layer_s = base_layer_b = 0.0
     if cfg.moe is not None and lay.ep > 1:
         intra, inter = ep_layer(cfg, lay, T, _routed_rows(cfg, T), a, gpn)
         n_a2a = 6 if lay.recompute else 4  # dispatch + combine, forward and backward
@@ -116,6 +117,10 @@ def step_time(
         forwards = 2 if lay.recompute else 1
         ep_layer_s = forwards * exposed(pair_s, experts_s, lay.chunks) + exposed(pair_s, 2 * experts_s, lay.chunks)
         ep_hidden_layer_s = (forwards + 1) * pair_s - ep_layer_s
+        if uses_global_base(cfg, lay):  # a solve per forward (a recomputed forward solves again)
+            bw = _group_bw(gpu, eff, lay.ep * lay.tp, gpn)
+            base_layer_s = forwards * global_base_s(cfg, lay, T, bw, gpu.hbm_bw * eff.hbm)
+            base_layer_b = forwards * global_base_bytes(cfg, lay, T)
 
     # per micro-batch time of each pipeline rank (all its virtual stages); the slowest sets the pace
     c = lay.coords(0)
@@ -137,9 +142,11 @@ def step_time(
         tp_s = tp_bytes / _group_bw(gpu, eff, lay.tp, gpn)
         moe_layers = sum(summaries[s].moe_layers for s in stages)
         ep_s, ep_hidden = moe_layers * ep_layer_s, moe_layers * ep_hidden_layer_s
-        per_rank.append((compute + tp_s + ep_s, compute, tp_s, ep_s, gemm + attn, tp_bytes, ep_in, ep_out, ep_hidden))
+        base_s, base_b = moe_layers * base_layer_s, moe_layers * base_layer_b
+        per_rank.append((compute + tp_s + ep_s + base_s, compute, tp_s, ep_s, gemm + attn, tp_bytes, ep_in, ep_out,
+                         ep_hidden, base_s, base_b))  # fmt: skip
     slow = max(per_rank, key=lambda r: r[0])
-    mb_s, compute_mb, tp_mb, ep_mb, flops_mb, tp_b, ep_in, ep_out, ep_hidden_mb = slow
+    mb_s, compute_mb, tp_mb, ep_mb, flops_mb, tp_b, ep_in, ep_out, ep_hidden_mb, base_mb, base_b = slow
     busy = M * mb_s
     bubble = (lay.pp - 1) / (lay.vpp * M) * busy if lay.pp > 1 else 0.0
 
@@ -169,12 +176,12 @@ def step_time(
     mf = cache[("model_flops", S)] * shape.global_batch_tokens
     out = StepTime(
         step_s=step, compute_s=compute_s, bubble_s=bubble,
-        exposed_s={"tp": M * tp_mb, "ep_all_to_all": M * ep_mb, "fsdp_dp_pp_excess": hidden,
-                   "optimizer": optimizer_s},
+        exposed_s={"tp": M * tp_mb, "ep_all_to_all": M * ep_mb, "global_base": M * base_mb,
+                   "fsdp_dp_pp_excess": hidden, "optimizer": optimizer_s},
         overlapped_s={"fsdp": fsdp_s, "dp_all_reduce": dp_s, "pp_send_recv": pp_s,
                       "ep_all_to_all_hidden": M * ep_hidden_mb},
         bytes_per_rank={"tp_all_gather_reduce_scatter": M * tp_b, "ep_all_to_all_intra_node": M * ep_in,
-                        "ep_all_to_all_inter_node": M * ep_out, "pp_send_recv": pp_bytes,
+                        "ep_all_to_all_inter_node": M * ep_out, "global_base": M * base_b, "pp_send_recv": pp_bytes,
                         "fsdp_all_gather": fsdp_ag, "fsdp_reduce_scatter": fsdp_rs, "dp_all_reduce": dp_ar},
         executed_flops=M * flops_mb, model_flops=mf,
     )  # fmt: skip

@@ -1,0 +1,59 @@
+"""The planner's cost of global BASE by prices (moe/plan/base_time.py): what a solve sends against
+what the simulated solver measured, and its share of the step at the large layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moe.models.llama import LlamaConfig
+from moe.plan import base_time
+from moe.plan.hardware import GPUS
+from moe.plan.layout import Layout
+from moe.plan.memory import TrainShape
+from moe.plan.time import step_time
+
+DEEPSEEK = ("deepseek-v3-like", "h800", Layout(pp=16, ep=64, dp_shard=128, precision="fp8", reshard=False), 15360)
+LARGE = ("llama2-moe-1.2t", "h200", Layout(tp=4, pp=16, ep=8, etp=True, dp_shard=16, reshard=False, chunks=4), 4096)
+
+
+def _base(name: str) -> LlamaConfig:
+    cfg = LlamaConfig.from_name(name)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router="base", router_options={}))
+
+
+def _step(cfg, lay, gpu, seqs):
+    return step_time(cfg, lay, TrainShape(seq_len=4096, global_batch_tokens=seqs * 4096), GPUS[gpu])
+
+
+def test_bytes_match_the_simulated_solver():
+    # docs/benchmarks.md, "Global BASE by prices": W = 64, T = 4096, E = 64, K = 1 received
+    # 0.36-0.47 MB per rank (counting an all-reduce once; the model counts a ring's twice)
+    cfg = dataclasses.replace(_base("deepseek-v3-like"), moe=dataclasses.replace(_base("deepseek-v3-like").moe,
+                              num_experts=64, top_k=1))  # fmt: skip
+    got = base_time.global_base_bytes(cfg, Layout(ep=64, dp_shard=64), 4096)
+    assert 0.8 * 0.47e6 <= got <= 2 * 0.47e6
+    assert got <= 0.01 * 64 * 4096 * 64 * 4  # under 1% of the gathered path's scores
+
+
+def test_only_base_over_an_ep_group_pays_it():
+    name, gpu, lay, seqs = DEEPSEEK
+    assert _step(LlamaConfig.from_name(name), lay, gpu, seqs).exposed_s["global_base"] == 0  # top-k
+    assert _step(_base(name), dataclasses.replace(lay, ep=1), gpu, seqs).exposed_s["global_base"] == 0
+    assert _step(_base(name), lay, gpu, seqs).exposed_s["global_base"] > 0
+
+
+def test_a_recomputed_forward_solves_again():
+    name, gpu, lay, seqs = LARGE
+    once = _step(_base(name), lay, gpu, seqs)
+    twice = _step(_base(name), dataclasses.replace(lay, recompute=True), gpu, seqs)
+    assert twice.exposed_s["global_base"] == pytest.approx(2 * once.exposed_s["global_base"], rel=1e-9)
+    assert twice.bytes_per_rank["global_base"] == pytest.approx(2 * once.bytes_per_rank["global_base"], rel=1e-9)
+
+
+@pytest.mark.parametrize("case", [DEEPSEEK, LARGE], ids=["deepseek-v3-like", "llama2-moe-1.2t"])
+def test_share_of_the_step_at_the_large_layouts(case):
+    name, gpu, lay, seqs = case
+    t = _step(_base(name), lay, gpu, seqs)
+    assert 0 < t.exposed_s["global_base"] < 0.03 * t.step_s  # docs/scale.md states the shares
