@@ -267,7 +267,11 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     start = p.cpu().numpy().astype(s_res.numpy().dtype)
     for check in range(64):  # each round adds at least one row; past 63, every row (the whole problem)
         graph = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
-        done, n, dist = _cancel(graph, budget - applied, start)
+        # the search starts from the prices the fixed tokens were picked under, so the
+        # certificate's prices rise from them only where a margin row's move needs it and few
+        # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
+        # thousand did)
+        done, n, dist = graph.cancel(budget - applied, start)
         applied, start = applied + n, dist
         slots = torch.from_numpy(graph.out)
         stats.cycles, stats.checks = applied, check + 1
@@ -305,27 +309,6 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     _write(outs, ids, slots, starts, sizes, red)
     shift = prices - prices.mean()
     return outs, shift, ok
-
-
-def _cancel(graph: _Graph, max_cycles: int, start) -> tuple[bool, int, object]:
-    """`_Graph.cancel`, its Bellman-Ford started from prices ``start`` rather than zeros: the
-    distances then rise from the prices the fixed tokens were picked under only where a margin
-    row's move needs it, so the certificate's prices stay close to them and few fixed tokens
-    can fail. The final distances come from a search from ``start`` over the final assignment:
-    those of the searches between cycles keep every rise the greedy fill's bad moves caused
-    (at W=16, warm started, a thousand fixed tokens then failed)."""
-    applied, dist = 0, start
-    while True:
-        cycles, dist = graph._search(dist)
-        if not cycles:  # once more from the start: the distances rose while the fill's moves were undone
-            cycles, dist = graph._search(start)
-        if not cycles:
-            return True, applied, dist
-        if applied >= max_cycles:
-            return False, applied, dist
-        cycles = cycles[: max_cycles - applied]
-        applied += len(cycles)
-        graph._apply(cycles)
 
 
 def _write(outs, ids, slots, starts, sizes, red) -> None:

@@ -228,13 +228,18 @@ class _Graph:
             if self.extra[v]:
                 np.maximum(row, -self.delta, out=row, where=~self.extra)
 
-    def cancel(self, max_cycles: int) -> tuple[bool, int, np.ndarray]:
+    def cancel(self, max_cycles: int, start: np.ndarray | None = None) -> tuple[bool, int, np.ndarray]:
         """Apply positive cycles until none is left (True) or ``max_cycles`` ran out with one
-        still found (False). Returns that flag, the cycles applied and the final distances."""
+        still found (False). Returns that flag, the cycles applied and the final distances.
+        ``start``: prices the longest-path search starts from (zeros when None). A search that
+        finds no cycle then runs once more from ``start``, so the final distances come from it
+        over the final assignment, without the rises that moves undone since kept."""
         applied = 0
-        dist = np.zeros(self.gain.shape[0], dtype=self.gain.dtype)
+        dist = np.zeros(self.gain.shape[0], dtype=self.gain.dtype) if start is None else start
         while True:
             cycles, dist = self._search(dist)
+            if not cycles and start is not None:
+                cycles, dist = self._search(start)
             if not cycles:
                 return True, applied, dist
             if applied >= max_cycles:
