@@ -25,6 +25,7 @@ from math import comb
 import torch
 
 from moe import MoE, MoEConfig
+from moe.plan.dispatch_time import expected_nodes
 
 # (name, experts, top-k, nodes, node limit M or None, model dim D)
 SHAPES = [
@@ -39,9 +40,8 @@ def _uniform(experts: int, k: int, nodes: int, limit: int | None) -> tuple[float
     """Expected (other-node slots, distinct other nodes) per token when the K experts (within
     M uniformly chosen nodes, under a limit) are uniform without replacement."""
     per_node = experts // nodes
-    if limit is None:
-        hit = 1 - comb(experts - per_node, k) / comb(experts, k)
-        return k * (nodes - 1) / nodes, (nodes - 1) * hit
+    if limit is None:  # the planner's expectation
+        return k * (nodes - 1) / nodes, expected_nodes(experts, k, nodes) * (nodes - 1) / nodes
     pool = per_node * limit  # the K experts come from the M chosen nodes' experts
     hit = 1 - comb(pool - per_node, k) / comb(pool, k)
     away = (nodes - 1) / nodes  # a chosen node is another node with this chance
