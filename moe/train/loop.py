@@ -130,11 +130,8 @@ class Trainer:
         bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    def _lm_loss(self, inputs, targets):
-        """This rank's mean cross entropy over its rows of the global batch."""
-        return self._cross_entropy(inputs, targets)
-
     def _cross_entropy(self, inputs_BS, targets_BS):
+        """This rank's mean cross entropy over its rows of the global batch."""
         with self._autocast():
             logits = self.model(inputs_BS.to(self.device))
         return F.cross_entropy(logits.float().flatten(0, 1), targets_BS.to(self.device).flatten())
@@ -168,7 +165,7 @@ class Trainer:
                 with self._autocast():
                     total += float(self.pipe.evaluate(inputs.to(self.device), targets.to(self.device)))
             else:
-                total += float(self.layout.mean_over_dp(self._lm_loss(inputs, targets)))
+                total += float(self.layout.mean_over_dp(self._cross_entropy(inputs, targets)))
             n += 1
         for m in self._modules():
             aux_loss(m)  # discard what the eval forwards left pending
