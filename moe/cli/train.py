@@ -52,6 +52,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                    help="--resume on data that differ from the run's (recorded in config.json)")  # fmt: skip
     g.add_argument("--tokenizer", default=None, help="a local tokenizer.json (default: bytes + 4 specials)")
     g.add_argument("--text-key", default=d.text_key, help="the text field of .jsonl / .parquet / datasets rows")
+    g.add_argument("--doc-mask", action="store_true", help="attend only within each document (documents are "
+                   "packed with the end-of-text token between them; off: causal over the whole sequence)")  # fmt: skip
     g.add_argument("--batch", type=_positive("--batch"), default=d.batch, help="global batch in sequences")
     g.add_argument("--seq-len", type=_positive("--seq-len"), default=d.seq_len, help="tokens per sequence")
     g.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of the tokens held out")

@@ -123,10 +123,12 @@ class LlamaPipeline:
     def named_parameters(self):
         return itertools.chain.from_iterable(m.named_parameters() for m in self.models)
 
-    def step(self, tokens_BS: Tensor, targets_BS: Tensor) -> Tensor:
+    def step(self, tokens_BS: Tensor, targets_BS: Tensor, *, documents: Tensor | None = None) -> Tensor:
         """Forward and backward of this rank's batch (``mesh.local_batch`` of the global one) in M
         micro-batches; returns the reported loss (the objective above, meaned over the
-        data-parallel ranks), the same on every rank. The optimizer steps afterwards."""
+        data-parallel ranks), the same on every rank. The optimizer steps afterwards.
+        ``documents`` (B, S), given on every rank: `Llama.forward`'s document masking, each
+        micro-batch's rows to each stage."""
         if tokens_BS.shape[0] % self.microbatches:
             raise ValueError(
                 f"the batch size {tokens_BS.shape[0]} must be divisible by microbatches={self.microbatches}"
@@ -141,12 +143,7 @@ class LlamaPipeline:
             raise ValueError(f"the stages were built for batches of {self.shape}, got {tuple(tokens_BS.shape)}")
         self.router_losses.clear()
         losses: list[Tensor] = []
-        if self.has_first:
-            self.schedule.step(tokens_BS, target=targets_BS if self.has_last else None, losses=losses)
-        elif self.has_last:
-            self.schedule.step(target=targets_BS, losses=losses)
-        else:
-            self.schedule.step()
+        self._run(self.schedule.step, tokens_BS, targets_BS, documents, losses)
         # [cross entropy, router losses]: the last stage has the first, every stage some of the second
         parts = torch.zeros(2, dtype=torch.float32, device=self.mesh.device)
         for t in losses:
@@ -159,8 +156,20 @@ class LlamaPipeline:
         self.lm_loss, self.aux_loss = parts[0], parts[1]
         return parts.sum()
 
+    def _run(self, run, tokens_BS: Tensor, targets_BS: Tensor, documents: Tensor | None, losses: list) -> None:
+        """``schedule.step`` or ``schedule.eval`` with what this rank's stages take: the tokens on
+        the first, the targets on the last, the documents (a keyword, split into micro-batches
+        like the tokens) on all."""
+        kwargs = {} if documents is None else {"documents": documents}
+        if self.has_first:
+            run(tokens_BS, target=targets_BS if self.has_last else None, losses=losses, **kwargs)
+        elif self.has_last:
+            run(target=targets_BS, losses=losses, **kwargs)
+        else:
+            run(**kwargs)
+
     @torch.no_grad()
-    def evaluate(self, tokens_BS: Tensor, targets_BS: Tensor) -> Tensor:
+    def evaluate(self, tokens_BS: Tensor, targets_BS: Tensor, *, documents: Tensor | None = None) -> Tensor:
         """The mean cross entropy of this rank's batch (forward only, in M micro-batches of the
         step's shape), meaned over the data-parallel ranks; the same on every rank. The stage
         modules should be in eval mode; the router losses of these forwards are discarded."""
@@ -172,12 +181,7 @@ class LlamaPipeline:
                 f"and targets {tuple(targets_BS.shape)}"
             )
         losses: list[Tensor] = []
-        if self.has_first:
-            self.schedule.eval(tokens_BS, target=targets_BS if self.has_last else None, losses=losses)
-        elif self.has_last:
-            self.schedule.eval(target=targets_BS, losses=losses)
-        else:
-            self.schedule.eval()
+        self._run(self.schedule.eval, tokens_BS, targets_BS, documents, losses)
         self.router_losses.clear()
         ce = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         for t in losses:

@@ -45,6 +45,7 @@ class TrainConfig:
     data: str | None = None  # None: the Python standard library's source, byte-level
     tokenizer: str | None = None
     text_key: str = "text"  # the text field of .jsonl / .parquet / datasets inputs
+    doc_mask: bool = False  # attention only within each document (the end-of-text token separates them)
     batch: int = 8  # global batch, in sequences, the same for every layout
     seq_len: int = 128
     val_fraction: float = 0.01
@@ -108,7 +109,7 @@ LAYOUT_FIELDS = (
 
 RESUME_KEEPS = (
     "preset experts top_k router moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "
-    "capacity_factor from_hf upcycle data tokenizer text_key batch seq_len val_fraction steps lr min_lr_ratio "
+    "capacity_factor from_hf upcycle data tokenizer text_key doc_mask batch seq_len val_fraction steps lr min_lr_ratio "
     "warmup weight_decay grad_clip seed"
 ).split()
 

@@ -128,6 +128,7 @@ class Corpus:
     source: str  # where the text came from, for config.json
     num_files: int
     fingerprint: dict  # {relative path: "size sha1-prefix"}: see `moe.train.fingerprint`
+    eos_id: int | None = None  # the end-of-text token after each document, when there is one
 
     def batch(self, step: int, seed: int, batch: int, seq_len: int, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
         """The global batch of ``step``: inputs and next-token targets, both (B, S) int64, or only
@@ -162,8 +163,10 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
     text, ``.jsonl``, ``.parquet`` and ``datasets`` inputs are tokenized at start (documents joined
     by the end-of-text token when there is one), up to `RAW_LIMIT` bytes."""
     prints: dict[str, str] = {}
+    eos = getattr(tokenizer, "eos_id", None)
     if data is not None and is_shard_folder(data):
-        tokens, num_files = _shard_tokens(data, tokenizer), len(read_index(data)["shards"])
+        index = read_index(data)
+        tokens, num_files, eos = _shard_tokens(data, tokenizer), len(index["shards"]), index.get("eos_id")
         prints = shard_fingerprint(data)
     else:
         files, root = corpus_files(data)
@@ -177,7 +180,8 @@ def load_corpus(data: str | None, tokenizer, *, seq_len: int, val_fraction: floa
             f"(need at least {n_val + 4 * (seq_len + 1)})"
         )
     source = "python-stdlib:" + sysconfig.get_paths()["stdlib"] if data is None else str(Path(data).resolve())
-    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=num_files, fingerprint=prints)
+    return Corpus(train=tokens[:-n_val], val=tokens[-n_val:], source=source, num_files=num_files, fingerprint=prints,
+                  eos_id=eos)  # fmt: skip
 
 
 def _shard_tokens(folder: str, tokenizer) -> TokenStream:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layer import MoE, aux_loss
-from ..models.llama import Llama
+from ..models.llama import Llama, document_ids
 from ..parallel import checkpoint_and_compile, loss_context, router_loss
 from .checkpoint import NonFiniteError, all_finite, load_checkpoint, load_newest, save_checkpoint
 from .config import TrainConfig, load_hf_model, model_config, run_tokenizer
@@ -92,6 +92,11 @@ class Trainer:
         self.corpus = load_corpus(
             cfg.data, self.tokenizer, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, text_key=cfg.text_key
         )
+        if cfg.doc_mask and self.corpus.eos_id is None:
+            raise ValueError(
+                f"--doc-mask: the documents of --data {cfg.data} are not separated: the tokenizer "
+                f"{self.tokenizer.name} has no end-of-text token"
+            )
         self.model_config = model_config(cfg, self.tokenizer.vocab_size)
         torch.manual_seed(cfg.seed)
         if cfg.from_hf is not None and not cfg.resume:  # a resumed run's weights come from its checkpoint
@@ -130,10 +135,16 @@ class Trainer:
         bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
+    def _documents(self, inputs_BS) -> dict:
+        """The model's ``documents`` keyword under --doc-mask (each position's document, from
+        the end-of-text tokens of the inputs), else nothing."""
+        return {"documents": document_ids(inputs_BS, self.corpus.eos_id)} if self.cfg.doc_mask else {}
+
     def _cross_entropy(self, inputs_BS, targets_BS):
         """This rank's mean cross entropy over its rows of the global batch."""
+        inputs_BS = inputs_BS.to(self.device)
         with self._autocast():
-            logits = self.model(inputs_BS.to(self.device))
+            logits = self.model(inputs_BS, **self._documents(inputs_BS))
         return F.cross_entropy(logits.float().flatten(0, 1), targets_BS.to(self.device).flatten())
 
     def _accumulate(self, inputs_BS, targets_BS, n: int):
@@ -163,7 +174,8 @@ class Trainer:
         ):
             if self.pipe is not None:
                 with self._autocast():
-                    total += float(self.pipe.evaluate(inputs.to(self.device), targets.to(self.device)))
+                    inputs = inputs.to(self.device)
+                    total += float(self.pipe.evaluate(inputs, targets.to(self.device), **self._documents(inputs)))
             else:
                 total += float(self.layout.mean_over_dp(self._cross_entropy(inputs, targets)))
             n += 1
@@ -183,7 +195,7 @@ class Trainer:
         self.loads.reset()
         if self.pipe is not None:  # forward and backward of every micro-batch, losses meaned over dp
             with self._autocast():  # the schedule runs every micro-batch's forward and backward
-                self.pipe.step(inputs, targets)
+                self.pipe.step(inputs, targets, **self._documents(inputs))
             lm, aux = self.pipe.lm_loss, self.pipe.aux_loss
         else:  # --grad-accum N: N forward+backward passes over slices of this rank's rows, each 1/N
             lm, aux = self._accumulate(inputs, targets, cfg.grad_accum)

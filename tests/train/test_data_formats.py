@@ -132,3 +132,35 @@ def test_train_on_shards_through_the_command(tmp_path):
     moe("train", *TINY, "--data", shards, "--steps", 1, "--eval-batches", 1, "--out", run)
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["data"]["source"] == str(shards.resolve()) and cfg["data"]["train_tokens"] > 0
+
+
+def _first_loss(run):
+    return next(r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
+
+
+def test_doc_mask_changes_what_is_trained_and_needs_an_end_of_text_token(tmp_path):
+    """--doc-mask on shards of short documents (their index keeps the end-of-text id): the
+    first step's loss is not the causal one and config.json says so; a tokenizer without an
+    end-of-text token cannot separate documents and exits 2 before training."""
+    tokenizers = pytest.importorskip("tokenizers")
+    short = tmp_path / "short.jsonl"  # documents of 10-20 bytes: every window holds several
+    short.write_text("".join(json.dumps({"text": f"y = x * {i}  # {i % 7}"}) + "\n" for i in range(3000)))
+    shards = tmp_path / "shards"
+    moe("data", "tokenize", "--in", short, "--out", shards, "--workers", 1)
+    losses = {}
+    for extra in ([], ["--doc-mask"]):
+        run = tmp_path / ("masked" if extra else "causal")
+        moe("train", *TINY, "--data", shards, "--steps", 1, "--eval-batches", 1, "--out", run, *extra)
+        losses[bool(extra)] = _first_loss(run)
+        assert json.loads((run / "config.json").read_text())["train"]["doc_mask"] is bool(extra)
+    assert losses[True] != pytest.approx(losses[False], rel=1e-4)
+
+    words = {w: i for i, w in enumerate(["<unk>", "def", "return", "x", "*"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    proc = moe("train", *TINY, "--data", _text_folder(tmp_path), "--tokenizer", tmp_path / "tokenizer.json",
+               "--doc-mask", "--out", tmp_path / "none", check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "--doc-mask: the documents of --data" in proc.stderr and "has no end-of-text token" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -32,8 +32,21 @@ LOSS = dict(rel=1e-5)
 NORM = dict(rel=1e-3)
 LOADS = dict(rel=1e-9, abs=1e-12)
 # top-k without the aux loss routes each token on its own: data-parallel ranks, micro-batches
-# and pipeline stages route the one-process batch's tokens as one process does
-TOPK = [*TINY, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 10, "--router", "topk", "--aux-loss-coef", 0]
+# and pipeline stages route the one-process batch's tokens as one process does. These runs read
+# short documents (`docs`) with document-level masking, so each layout also carries the masks
+# (to every pipeline stage, in each micro-batch's rows).
+TOPK = [*TINY, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 10, "--router", "topk", "--aux-loss-coef", 0,
+        "--doc-mask"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def docs(data, tmp_path_factory):
+    """The lines of the `data` corpus as the documents of a .jsonl file: nearly every window of
+    the tiny runs holds an end-of-text token, so their masks are not the causal one."""
+    lines = [line for f in sorted(data.iterdir()) for line in f.read_text().splitlines() if line.strip()]
+    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    return path
 
 
 def _metrics(run):
@@ -59,10 +72,10 @@ def _same(rows, expect, what):
 
 
 @pytest.fixture(scope="module")
-def topk_one(tmp_path_factory, data):
+def topk_one(tmp_path_factory, docs):
     """The one-process metrics of the `TOPK` run."""
     run = tmp_path_factory.mktemp("topk") / "one"
-    moe("train", *TOPK, "--data", data, "--out", run)
+    moe("train", *TOPK, "--data", docs, "--out", run)
     return _metrics(run)
 
 
@@ -106,7 +119,7 @@ def test_a_bad_layout_under_torchrun_exits_2_on_every_rank(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, data, topk_one):
+def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, docs, topk_one):
     """Interleaved 1F1B (two stages per rank, so a rank's StageView joins two stage modules)
     with two micro-batches: the losses, the global gradient norm over both stages and the loads
     (layer 3 lives on the second rank) equal one process; the checkpoint, keyed by the whole
@@ -118,7 +131,7 @@ def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, d
 
     run = tmp_path / "pp2"
     layout = ["--nproc", 2, "--pp", 2, "--pp-schedule", "interleaved", "--micro-batches", 2]
-    moe("train", *TOPK, "--data", data, "--out", run, *layout, "--stop-at", 2)
+    moe("train", *TOPK, "--data", docs, "--out", run, *layout, "--stop-at", 2)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     _same(rows, topk_one, "pp=2")
@@ -144,9 +157,9 @@ def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, d
      ["--ep", 2, "--dispatch", "hierarchical", "--ranks-per-node", 1]],
     ids=["dp_replicate2", "tp2_etp", "dp_shard2_grad_accum2", "ep2_two_nodes"],
 )  # fmt: skip
-def test_dp_replicate_and_etp_give_the_one_process_losses_and_loads(tmp_path, data, topk_one, layout):
+def test_dp_replicate_and_etp_give_the_one_process_losses_and_loads(tmp_path, docs, topk_one, layout):
     run = tmp_path / "run"
-    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 2, *layout, "--stop-at", 2)
+    moe("train", *TOPK, "--data", docs, "--out", run, "--nproc", 2, *layout, "--stop-at", 2)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     _same(rows, topk_one, " ".join(map(str, layout)))
@@ -192,9 +205,9 @@ def test_ctrl_c_under_nproc2_checkpoints_every_rank_and_resumes(tmp_path, data):
 
 
 @pytest.mark.slow
-def test_dp_shard2_resumes_under_tp2(tmp_path, data, topk_one):
+def test_dp_shard2_resumes_under_tp2(tmp_path, docs, topk_one):
     run = tmp_path / "run"
-    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 2, "--stop-at", 2)  # dp_shard=2
+    moe("train", *TOPK, "--data", docs, "--out", run, "--nproc", 2, "--stop-at", 2)  # dp_shard=2
     moe("train", "--out", run, "--resume", "--nproc", 2, "--tp", 2, "--dp-shard", 1)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
@@ -203,59 +216,59 @@ def test_dp_shard2_resumes_under_tp2(tmp_path, data, topk_one):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--ep", 2], ["--tp", 2]], ids=["pp2_ep2", "pp2_tp2"])
-def test_pp2_with_ep2_or_tp2_on_four_processes(tmp_path, data, topk_one, layout):
+def test_pp2_with_ep2_or_tp2_on_four_processes(tmp_path, docs, topk_one, layout):
     run = tmp_path / "run"
-    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 4, "--pp", 2, *layout, "--stop-at", 2)
+    moe("train", *TOPK, "--data", docs, "--out", run, "--nproc", 4, "--pp", 2, *layout, "--stop-at", 2)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     _same(rows, topk_one, "pp=2 " + " ".join(map(str, layout)))
 
 
-def test_activation_checkpointing_and_bf16_through_the_command(tmp_path, data, topk_one):
+def test_activation_checkpointing_and_bf16_through_the_command(tmp_path, docs, topk_one):
     """--ac re-runs the blocks in backward: the same numbers as without (one process, and through
     parallelize_llama under --nproc 2); --dtype bf16 autocasts on CPU too: near fp32, not equal."""
     for extra in (["--ac", "full"], ["--nproc", 2, "--ac", "selective"]):
         run = tmp_path / "-".join(map(str, extra))
-        moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 2, *extra)
+        moe("train", *TOPK, "--data", docs, "--out", run, "--stop-at", 2, *extra)
         _same(_metrics(run), topk_one, " ".join(map(str, extra)))
     run = tmp_path / "bf16"
-    moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 1, "--dtype", "bf16")
+    moe("train", *TOPK, "--data", docs, "--out", run, "--stop-at", 1, "--dtype", "bf16")
     got, ref = _metrics(run)[1]["loss"], topk_one[1]["loss"]
     assert got != ref and got == pytest.approx(ref, rel=2e-2)
 
 
 @pytest.mark.slow
-def test_pp2_tp2_etp_without_reshard_gives_the_one_process_losses(tmp_path, data, topk_one):
+def test_pp2_tp2_etp_without_reshard_gives_the_one_process_losses(tmp_path, docs, topk_one):
     """The kind of layout moe plan picks for the 1.2T preset on 1024 H200: expert-tensor
     parallelism inside pipeline stages, FSDP2 keeping the blocks gathered (reshard=0)."""
     run = tmp_path / "run"
-    moe("train", *TOPK, "--data", data, "--out", run, "--layout", "tp=2,pp=2,etp=1,reshard=0", "--stop-at", 2)
+    moe("train", *TOPK, "--data", docs, "--out", run, "--layout", "tp=2,pp=2,etp=1,reshard=0", "--stop-at", 2)
     _same(_metrics(run), topk_one, "tp=2,pp=2,etp=1,reshard=0")
     saved = json.loads((run / "config.json").read_text())["train"]
     assert (saved["tp"], saved["pp"], saved["etp"], saved["reshard"]) == (2, 2, True, 0)
     assert json.loads((run / "config.json").read_text())["expert_shard"] == [4, 64, 48]  # F=96 split over tp
 
 
-def test_reshard_0_gives_the_one_process_losses(tmp_path, data, topk_one):
+def test_reshard_0_gives_the_one_process_losses(tmp_path, docs, topk_one):
     run = tmp_path / "run"
-    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 2, "--reshard", 0, "--stop-at", 2)
+    moe("train", *TOPK, "--data", docs, "--out", run, "--nproc", 2, "--reshard", 0, "--stop-at", 2)
     _same(_metrics(run), topk_one, "--nproc 2 --reshard 0")
 
 
 @pytest.mark.slow  # inductor compiles each block for about 40 s on CPU
-def test_compile_gives_the_eager_losses(tmp_path, data, topk_one):
+def test_compile_gives_the_eager_losses(tmp_path, docs, topk_one):
     """--compile: the blocks compiled by inductor (the MoE layer whole, in one process) train
     as eager does, with the z-loss alone (--aux-loss-coef 0 once made the backward raise)."""
     run = tmp_path / "compiled"
-    moe("train", *TOPK, "--data", data, "--out", run, "--stop-at", 2, "--compile")
+    moe("train", *TOPK, "--data", docs, "--out", run, "--stop-at", 2, "--compile")
     _same(_metrics(run), topk_one, "--compile")
     assert json.loads((run / "config.json").read_text())["train"]["compile"] is True
 
 
 @pytest.mark.slow
-def test_ep4_as_two_nodes_of_two_gives_the_one_process_losses(tmp_path, data, topk_one):
+def test_ep4_as_two_nodes_of_two_gives_the_one_process_losses(tmp_path, docs, topk_one):
     run = tmp_path / "run"
-    moe("train", *TOPK, "--data", data, "--out", run, "--nproc", 4, "--ep", 4, "--dispatch", "hierarchical",
+    moe("train", *TOPK, "--data", docs, "--out", run, "--nproc", 4, "--ep", 4, "--dispatch", "hierarchical",
         "--ranks-per-node", 2, "--stop-at", 2)  # fmt: skip
     _same(_metrics(run), topk_one, "ep4 as 2 x 2")
     assert json.loads((run / "config.json").read_text())["moe_dispatch"] == ["HierarchicalDispatcher"]

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ...layer import MoE
 from .config import LlamaConfig
 
-__all__ = ["Attention", "FeedForward", "Llama", "RMSNorm", "TransformerBlock", "rope_table"]
+__all__ = ["Attention", "FeedForward", "Llama", "RMSNorm", "TransformerBlock", "document_ids", "rope_table"]
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> Tensor:
@@ -47,6 +47,21 @@ def apply_rope(x_BSHD: Tensor, rope_S2D: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x_BSHD.dtype)
+
+
+def document_ids(tokens_BS: Tensor, eos_id: int) -> Tensor:
+    """Which document of its row each token is in, (B, S) int64: documents packed with
+    ``eos_id`` after each, the end-of-text token counted in the document it ends."""
+    ends = tokens_BS == eos_id
+    return torch.cumsum(ends, dim=1) - ends.long()
+
+
+def document_mask(documents_BS: Tensor) -> Tensor:
+    """The attention mask of `Llama.forward`'s ``documents``: (B, 1, S, S) bool, True where query
+    i may see key j (j <= i and both in the same document)."""
+    seq = documents_BS.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents_BS.device).tril()
+    return (documents_BS[:, None, :, None] == documents_BS[:, None, None, :]) & causal
 
 
 class RMSNorm(nn.Module):
@@ -91,13 +106,19 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.wo.weight, std=out_std)
 
-    def forward(self, x_BSD: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x_BSD: Tensor, rope: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        """``mask``: None for causal attention over the whole row, or a (B, 1, S, S) bool mask
+        (`document_mask`)."""
         B, S, _ = x_BSD.shape
         q = apply_rope(self.wq(x_BSD).view(B, S, -1, self.head_dim), rope)
         k = apply_rope(self.wk(x_BSD).view(B, S, -1, self.head_dim), rope)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -147,8 +168,8 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward.init_weights(std, out_std)
 
-    def forward(self, x_BSD: Tensor, rope: Tensor) -> Tensor:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), rope)
+    def forward(self, x_BSD: Tensor, rope: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), rope, mask=mask)
         z = self.ffn_norm(h)
         return h + (self.feed_forward(z, seq_len=z.shape[1]) if self.is_moe else self.feed_forward(z))
 
@@ -201,9 +222,15 @@ class Llama(nn.Module):
         if self.output is not None:
             nn.init.normal_(self.output.weight, std=cfg.init_std)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, *, documents: Tensor | None = None) -> Tensor:
         """``tokens: (B, S)`` integer ids (or ``h: (B, S, D)`` without ``tok_embeddings``) ->
-        logits (B, S, V) (or ``h`` without ``output``)."""
+        logits (B, S, V) (or ``h`` without ``output``).
+
+        ``documents``: optional (B, S) integer ids of the document each position belongs to
+        (`document_ids`); a token then attends only to earlier tokens of its own document
+        (document-level masking; the rotary positions stay those of the row, and attention
+        scores depend only on the offset between two positions, so a document sees what it
+        would alone at the start of a row). None (the default): causal over the whole row."""
         if self.tok_embeddings is not None:
             if tokens.dim() != 2 or tokens.dtype.is_floating_point:
                 raise ValueError(f"tokens must be (B, S) integer ids, got {tuple(tokens.shape)} {tokens.dtype}")
@@ -214,8 +241,15 @@ class Llama(nn.Module):
             h = tokens
         if h.shape[1] > self.rope.shape[0]:
             raise ValueError(f"sequence length {h.shape[1]} exceeds max_seq_len={self.rope.shape[0]}")
+        mask = None
+        if documents is not None:  # (B, S) whole rows, also where h holds a sequence-parallel shard
+            want = tuple(tokens.shape) if self.tok_embeddings is not None else (h.shape[0], documents.shape[-1])
+            if tuple(documents.shape) != want or documents.dtype.is_floating_point:
+                raise ValueError(f"documents must be (B, S) = {want} integer ids, got {tuple(documents.shape)} "
+                                 f"{documents.dtype}")  # fmt: skip
+            mask = document_mask(documents.to(h.device))
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, self.rope, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
