@@ -7,6 +7,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_INDEX ?=
+# pytest-xdist workers for `make test`, each taking whole test files (a file's module fixtures run
+# once); most tests wait on one single-threaded subprocess, so two workers on two cores halve the time
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_INDEX_ARGS := $(if $(strip $(TORCH_INDEX)),--index-url $(strip $(TORCH_INDEX)))
@@ -25,7 +28,7 @@ demo: $(STAMP)
 	$(VENV)/bin/moe train
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check moe tests benchmarks
