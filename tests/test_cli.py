@@ -120,3 +120,14 @@ def test_plan_forwards_to_the_planner(capsys):
     assert "tp=2,pp=1,ep=1,dp_shard=4: fits" in capsys.readouterr().out
     assert main(["plan", "--model", "nope", *layout, "--search"]) == 2
     assert "is neither a preset" in capsys.readouterr().err
+
+
+def test_log_without_its_package_exits_2_before_anything_runs(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main(["train", "--log", "wandb", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "moe train: error: --log wandb: the wandb package is not installed (pip install 'moe[log]')"
+    assert not (tmp_path / "run").exists()

@@ -256,12 +256,14 @@ def test_reshard_0_gives_the_one_process_losses(tmp_path, docs, topk_one):
 
 
 @pytest.mark.slow  # inductor compiles each block for about 40 s on CPU
-def test_compile_gives_the_eager_losses(tmp_path, docs, topk_one):
-    """--compile: the blocks compiled by inductor (the MoE layer whole, in one process) train
-    as eager does, with the z-loss alone (--aux-loss-coef 0 once made the backward raise)."""
+@pytest.mark.parametrize("layout", [[], ["--nproc", 2, "--ep", 2]], ids=["one_process", "nproc2_ep2"])
+def test_compile_gives_the_eager_losses(tmp_path, docs, topk_one, layout):
+    """--compile: the blocks compiled by inductor (the MoE layer whole in one process; under
+    ep its exchange stays eager, parallelize_llama compiling the rest of each block) train as
+    eager does, with the z-loss alone (--aux-loss-coef 0 once made the backward raise)."""
     run = tmp_path / "compiled"
-    moe("train", *TOPK, "--data", docs, "--out", run, "--stop-at", 2, "--compile")
-    _same(_metrics(run), topk_one, "--compile")
+    moe("train", *TOPK, "--data", docs, "--out", run, "--stop-at", 2, "--compile", *layout, timeout=900)
+    _same(_metrics(run), topk_one, " ".join(map(str, ["--compile", *layout])))
     assert json.loads((run / "config.json").read_text())["train"]["compile"] is True
 
 
