@@ -257,11 +257,26 @@ def _shard_sum(module: nn.Module, mesh, divide_by: int, **kw) -> None:
         module.set_force_sum_reduction_for_comms(True)
 
 
+def _expert_placement(experts: nn.Module, size: int, kw: dict) -> dict:
+    """FSDP2's keywords for a unit holding ``experts``, sharded over ``size`` ranks. FSDP2
+    shards dim 0, the unit's experts, when they split evenly over the ranks; otherwise (e.g. one
+    expert per ep rank held by 16 ranks, or 8 experts over 128) every rank would keep a padded
+    whole expert and the all-gather would make ``size`` copies of it, so the model dim D is
+    sharded instead (w1, w3 (E, D, F): dim 1; w2 (E, F, D): dim 2), which tp never shards, when
+    it splits evenly (FSDP2 pads only dim 0). Other parameters keep dim 0."""
+    local = experts.w1.to_local() if isinstance(experts.w1, DTensor) else experts.w1
+    if not local.shape[0] % size or local.shape[1] % size:
+        return kw
+    d_dim = {id(experts.w1): 1, id(experts.w2): 2} | ({id(experts.w3): 1} if experts.w3 is not None else {})
+    return dict(kw, shard_placement_fn=lambda p: Shard(d_dim.get(id(p), 0)))
+
+
 def _shard_experts(experts: nn.Module, lm: LlamaMesh, **kw) -> None:
     """Fully shard expert weights over the ranks holding the same experts (``edp``, possibly
     one rank: FSDP2 then only casts for mixed precision and divides). Their gradient sums the
-    whole ep group's tokens, so it is divided by Dp."""
-    _shard_sum(experts, lm.world["edp"], lm.dp_size, **kw)
+    whole ep group's tokens, so it is divided by Dp. Which dim: `_expert_placement`."""
+    edp = lm.world["edp"]
+    _shard_sum(experts, edp, lm.dp_size, **_expert_placement(experts, edp.size(), kw))
 
 
 def parallelize_llama(
@@ -348,8 +363,10 @@ def parallelize_llama(
             for part in (ff.router, ff.shared):
                 if part is not None and any(p.requires_grad for p in part.parameters()):
                     _shard_sum(part, world["dp_tp"], lm.dp_size, **kw)
-        if lm.dp_size > 1:
-            fully_shard(block, mesh=world["dp_replicate", "dp_shard"], **kw)
+        if lm.dp_size > 1:  # the experts of a layer on one rank's experts are in the block's unit
+            local = isinstance(ff, MoE) and ff.parallel is None
+            own = _expert_placement(ff.experts, world["dp_shard"].size(), kw) if local else kw
+            fully_shard(block, mesh=world["dp_replicate", "dp_shard"], **own)
     if lm.dp_size > 1:
         fully_shard(model, mesh=world["dp_replicate", "dp_shard"], **kw)
     model.parallel_layout = LlamaParallel(mesh=lm, etp=etp, loss_parallel=loss_parallel)

@@ -25,6 +25,7 @@ Every DTensor shard follows torch.chunk's rule too.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class ParamSpec:
     group: str = "dp"  # FSDP group: "dp" (HSDP over R x Sh), "edp", "dp_tp"
     layer: int | None = None  # None: embedding, final norm, output
     expert: bool = False  # routed-expert weight (for the report's split)
+    d_dim: int | None = None  # expert weights: the model dim, FSDP's when the experts do not split evenly and D does
 
 
 def _layer_specs(cfg: LlamaConfig, lay: Layout, i: int) -> list[ParamSpec]:
@@ -96,10 +98,10 @@ def _layer_specs(cfg: LlamaConfig, lay: Layout, i: int) -> list[ParamSpec]:
     out.append(ParamSpec(p + "feed_forward.router.weight", (E, D), group=side, layer=i))
     ex = dict(ep_dim=0 if parallel else None, group="edp" if parallel else "dp", layer=i, expert=True)
     et = lay.etp
-    out += [ParamSpec(p + "feed_forward.experts.w1", (E, D, Fe), 2 if et else None, **ex)]
+    out += [ParamSpec(p + "feed_forward.experts.w1", (E, D, Fe), 2 if et else None, d_dim=1, **ex)]
     if m.activation == "swiglu":
-        out += [ParamSpec(p + "feed_forward.experts.w3", (E, D, Fe), 2 if et else None, **ex)]
-    out += [ParamSpec(p + "feed_forward.experts.w2", (E, Fe, D), 1 if et else None, **ex)]
+        out += [ParamSpec(p + "feed_forward.experts.w3", (E, D, Fe), 2 if et else None, d_dim=1, **ex)]
+    out += [ParamSpec(p + "feed_forward.experts.w2", (E, Fe, D), 1 if et else None, d_dim=2, **ex)]
     if m.num_shared_experts:
         # one MLP of num_shared * Fs columns (moe.experts.SharedExperts), replicated over tp
         fs = m.num_shared_experts * (m.shared_hidden_dim or Fe)
@@ -138,8 +140,10 @@ def local_numel(spec: ParamSpec, lay: Layout, c: dict[str, int]) -> int:
         k, i = lay.dp * lay.tp, ((r * lay.dp_shard_mod_ep + m) * lay.ep + e) * lay.tp + t
     else:
         k, i = (lay.dp_shard, m * lay.ep + e) if lay.dp > 1 else (1, 0)
-    if k > 1:
-        shape[0] = chunk(shape[0], k, i)
+    if k > 1:  # FSDP2's dim 0, or D for experts that do not split evenly (`parallelize_llama`)
+        by_d = spec.d_dim is not None and shape[0] % k and shape[spec.d_dim] % k == 0
+        dim = spec.d_dim if by_d else 0
+        shape[dim] = chunk(shape[dim], k, i)
     return math.prod(shape)
 
 
@@ -170,6 +174,10 @@ class StageSummary:
     fsdp_rs: int  # the same for the gradient reduce-scatter
     dense_layers: int
     moe_layers: int
+    unit_max: int = 0  # the largest FSDP unit of the blocks once gathered (an MoE block has two:
+    # its experts, over edp, and the rest, over dp)
+    pair_max: int = 0  # the largest two units gathered one after the other (the running one and
+    # the one prefetched), over the blocks' units in order
 
 
 def _spec_numbers(specs, lay: Layout, c: dict[str, int]) -> tuple[int, int, int]:
@@ -204,23 +212,32 @@ def stage_summary(cfg: LlamaConfig, lay: Layout, stage: int, c: dict[str, int], 
             kinds.append((("dense", len(dense), dense[:1]), ("moe", len(moe), moe[:1])))
         cache[("kinds",)] = kinds
     local = gathered = ag = block_max = 0
-    counts = {}
+    counts, units = {}, {}
     for kind, n, rep in cache[("kinds",)][stage]:
         counts[kind] = n
         if not n:
             continue
         if (kind, *key) not in cache:
-            cache[(kind, *key)] = _spec_numbers(_layer_specs(cfg, lay, rep[0]), lay, c)
-        lo, ga, a = cache[(kind, *key)]
+            specs = _layer_specs(cfg, lay, rep[0])
+            experts = _spec_numbers([x for x in specs if x.expert], lay, c)[1]
+            cache[(kind, *key)] = (*_spec_numbers(specs, lay, c), experts)
+        lo, ga, a, experts = cache[(kind, *key)]
         local, gathered, ag = local + lo * n, gathered + ga * n, ag + a * n
         block_max = max(block_max, ga)
+        units[kind] = (ga - experts, experts) if experts else (ga,)  # in the order they run
+    unit_max = max((u for us in units.values() for u in us), default=0)
+    pairs = [sum(us) for us in units.values() if len(us) == 2]  # within an MoE block
+    for a_kind, b_kind in itertools.product(units, repeat=2):  # one block's last unit, the next one's first
+        if a_kind != b_kind or counts[a_kind] > 1:
+            pairs.append(units[a_kind][-1] + units[b_kind][0])
+    pair_max = max(pairs, default=unit_max)
     ends = (stage == 0, stage == lay.num_stages - 1)
     if ends != (False, False):
         if ("ends", ends, *key) not in cache:
             cache[("ends", ends, *key)] = _spec_numbers(stage_specs_ends(cfg, lay, stage), lay, c)
         lo, ga, a = cache[("ends", ends, *key)]
         local, gathered, ag, block_max = local + lo, gathered + ga, ag + a, max(block_max, ga)
-    return StageSummary(local, gathered, block_max, ag, ag, counts["dense"], counts["moe"])
+    return StageSummary(local, gathered, block_max, ag, ag, counts["dense"], counts["moe"], unit_max, pair_max)
 
 
 def stage_specs_ends(cfg: LlamaConfig, lay: Layout, stage: int) -> list[ParamSpec]:

@@ -115,6 +115,10 @@ def four_rank_layouts(rank, world, store, which):
             L.run_parallel(cfg, _mesh((2, 2), ("dp_shard", "tp")), f"tp=2 x ep=2 {router}", ep=2)
         if "dp_tp" in which:
             L.run_parallel(cfg, _mesh((2, 2), ("dp_shard", "tp")), f"dp_shard=2 x tp=2 {router}")
+        if "ep_d_sharded" in which and router == "topk":  # one expert per ep rank, held by 2 ranks:
+            one = L.config(router, num_experts=2)  # FSDP shards the experts' D, not the expert dim
+            L.run_parallel(one, _mesh((4,), ("dp_shard",)), "dp_shard=4 x ep=2, D-sharded experts", ep=2)
+            L.run_parallel(one, _mesh((4,), ("dp_shard",)), "dp_shard=4, 2 experts in the block's unit, D-sharded")
         if "pp_ep" in which:
             L.run_pipeline(
                 L.config(router, n_layers=2), _mesh((2, 2), ("pp", "dp_shard")), f"pp=2 x ep=2 {router}",
@@ -127,7 +131,7 @@ def four_rank_layouts(rank, world, store, which):
 
 
 def test_four_rank_tp_ep_and_dp_tp():
-    spawn(four_rank_layouts, 4, ("tp_ep", "dp_tp"))
+    spawn(four_rank_layouts, 4, ("tp_ep", "dp_tp", "ep_d_sharded"))
 
 
 @pytest.mark.slow

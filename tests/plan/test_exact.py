@@ -80,10 +80,12 @@ def _ranks(lay: Layout) -> list[int]:
 SMALL = [
     # name, layout, overrides: awkward sizes so shards are uneven somewhere
     ("tiny", Layout(dp_shard=4), {}),
+    ("tiny", Layout(dp_shard=8), {}),  # 4 experts over 8 ranks, in the block's unit: FSDP shards their D
     ("tiny", Layout(tp=2, dp_shard=3), {"n_layers": 5}),
     ("tiny", Layout(tp=2, pp=2, ep=2, dp_shard=4, dp_replicate=2), {}),
     ("tiny", Layout(tp=2, ep=2, etp=True, dp_shard=6), {}),
     ("tiny", Layout(ep=4, dp_shard=4, dp_replicate=3), {"vocab_size": 131}),
+    ("tiny", Layout(ep=2, dp_shard=8), {}),  # 2 experts per ep rank over 4 edp ranks: FSDP shards D
     ("small", Layout(tp=4, pp=3, ep=2, etp=True, dp_shard=2, dp_replicate=2), {"n_layers": 7}),
     ("deepseek-v3-like", Layout(tp=2, pp=2, ep=4, dp_shard=8), {"n_layers": 6}),
 ]
@@ -113,7 +115,7 @@ def test_pipeline_llama_interleaved_exact():
 
 
 BIG = [
-    Layout(tp=8, pp=8, ep=8, dp_shard=64),  # 4096 ranks: 3 experts per ep rank, chunked over 8 edp ranks
+    Layout(tp=8, pp=8, ep=8, dp_shard=64),  # 4096 ranks: 3 experts per ep rank, their D over 8 edp ranks
     Layout(tp=8, pp=4, ep=8, etp=True, dp_shard=16, dp_replicate=2),  # 1024 ranks, HSDP, etp
     Layout(tp=4, pp=8, vpp=2, schedule="interleaved_1f1b", ep=8, dp_shard=32),  # 1024 ranks, 16 stages
 ]
