@@ -172,7 +172,8 @@ class FlatDispatcher(Dispatcher):
         if not self._static(layer.router):
             return None
         num_tokens, k = routing.expert_idx.shape
-        known = expert_capacities(num_tokens, layer.config.num_experts, k).tolist()  # made on the host
+        base, extra = divmod(num_tokens * k, layer.config.num_experts)  # expert_capacities' rule, in Python:
+        known = [base + (e < extra) for e in range(layer.config.num_experts)]  # no tensor to read back
         expected = expert_capacities(num_tokens, layer.config.num_experts, k, device=counts_E.device)
         if self.strategy == "per_expert":  # the send order: by local expert, then by rank
             expected = expected.view(self.ep_size, -1).T.reshape(-1)

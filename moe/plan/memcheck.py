@@ -1,6 +1,7 @@
 """One training step of the real model measured by PyTorch's own memory trackers, set beside
 the planner's estimate (`moe.plan.memory`) for the same layout and rank (docs/scale.md,
-"Checking the memory model").
+"Checking the memory model"). MoE layers route by BASE's static path (`tracked_config`): the
+balanced loads the planner assumes, or with ``routing="worst"`` every token on one rank's experts.
 
 The step: the rank's pipeline stage, built on the meta device and laid out by the real
 `parallelize_llama` / `pipeline_llama` on PyTorch's fake process group (one process stands for
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import multiprocessing
 import warnings
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from ..models.llama import Llama, LlamaConfig
 from .layout import Layout, parse_layout
 from .memory import TrainShape, memory
 
-__all__ = ["CASES", "PARTS", "Case", "compare", "measure", "planned", "table"]
+__all__ = ["CASES", "PARTS", "ROUTINGS", "WORST", "Case", "compare", "measure", "planned", "table", "tracked_config"]
 
 # planner components -> the tracker's kinds (FSDPMemTracker's names, MemTracker's in brackets)
 PARTS = {
@@ -48,6 +50,7 @@ PARTS = {
     "activations": ("Activation", "Temp", "Inputs"),  # the planner's activations + logits + moe_dispatch
 }
 _ACTS = ("activations", "logits", "moe_dispatch")
+ROUTINGS = ("balanced", "worst")  # the MoE loads of the tracked step (see `_routed`)
 ADDRESS_SPACE_CAP = 16 << 30  # bytes of virtual memory the measuring process may map
 
 
@@ -133,20 +136,70 @@ def _one_step(model, lay: Layout, cfg: LlamaConfig, shape: TrainShape, opt, fsdp
     opt.zero_grad()
 
 
-def measure(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, **options) -> dict[str, int]:
+def measure(
+    cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, *, routing: str = "balanced", **options
+) -> dict[str, int]:
     """{part of `PARTS`: its peak bytes, "total": the tracker's peak} of the global ``rank``
     running one step under ``lay``. ``options``: more `parallelize_llama` keywords (e.g.
     ``dispatch="hierarchical"``). Runs in a fresh process (DTensor caches plans per mesh, and a
     second fake process group in one process would meet them), its address space capped at
     `ADDRESS_SPACE_CAP` so that a tensor made real by mistake fails instead of filling the host."""
-    if cfg.moe is not None:
+    if cfg.moe is not None and lay.ep == 1:
         raise ValueError(
-            "the tracked step runs dense models only: the MoE layer reads its routing counts on the host, "
-            "which FakeTensorMode cannot answer (docs/scale.md)"
+            "the tracked step runs MoE layers under expert parallelism (ep > 1) only: on one rank the layer "
+            "reads its routing counts on the host, which FakeTensorMode cannot answer (docs/scale.md)"
         )
+    if cfg.moe is not None and "flat" != options.get("dispatch", lay.dispatch):
+        raise ValueError(
+            "the tracked step runs the flat expert-parallel dispatch only: the two-level one reads its "
+            "splits on the host, which FakeTensorMode cannot answer (docs/scale.md)"
+        )
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_cap_memory) as pool:
-        return pool.submit(_measure_here, cfg, lay, shape, rank, options).result()
+        return pool.submit(_measure_here, cfg, lay, shape, rank, options, routing).result()
+
+
+def tracked_config(cfg: LlamaConfig) -> LlamaConfig:
+    """The model the tracked step runs: ``cfg`` itself, its MoE layers routing by BASE's
+    sync-free solver with the extra slots on the lowest experts. Every rank then sends the
+    balanced loads, known on the host (``static_splits``), so nothing is read back from a fake
+    tensor; the router's weights and every buffer are the same shapes as under the preset's
+    router, and the loads are the balanced ones the planner assumes."""
+    if cfg.moe is None:
+        return cfg
+    m = cfg.moe
+    base = dataclasses.replace(m, router="base", router_options={"base_solver": "approx", "base_extras": "lowest"},
+                               capacity_factor=None)  # fmt: skip
+    return dataclasses.replace(cfg, moe=base)
+
+
+@contextlib.contextmanager
+def _routed(model, routing: str, ep_rank: int):
+    """The flat dispatchers of ``model`` send their rows in the order a GPU run does
+    ("resort"); under ``routing="worst"`` every rank's K copies of every token go to the
+    first expert of ep rank ``ep_rank`` (dropless routing's largest receive buffer, the experts'
+    largest inputs: ep x T x K rows) instead of the balanced loads."""
+    from ..layer import MoE
+    from ..parallel.flat import FlatDispatcher
+
+    for m in model.modules():
+        if isinstance(m, MoE) and isinstance(m.dispatcher, FlatDispatcher):
+            m.dispatcher.strategy = "resort"
+    if routing == "balanced":
+        yield
+        return
+
+    def skewed(self, layer, counts_E, result):
+        self.agreement.start([])
+        rows, experts = result.expert_idx.numel(), layer.config.num_experts
+        known = [0] * experts
+        known[ep_rank * (experts // self.ep_size)] = rows
+        return known
+
+    with mock.patch.object(FlatDispatcher, "known_counts", skewed):
+        yield
 
 
 def _cap_memory() -> None:
@@ -156,7 +209,9 @@ def _cap_memory() -> None:
     warnings.simplefilter("ignore", UserWarning)  # torch's notes on fake meshes and hooks, for every rank
 
 
-def _measure_here(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, options: dict) -> dict[str, int]:
+def _measure_here(
+    cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, options: dict, routing: str = "balanced"
+) -> dict[str, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -164,14 +219,17 @@ def _measure_here(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, o
     if lay.precision == "fp8":
         raise ValueError("the tracked step runs bf16 or fp32 (fp8 GEMMs need a GPU)")
     options = dict(options, activation_checkpoint=lay.recompute, reshard_after_forward=lay.reshard)
+    cfg = tracked_config(cfg)
+    if cfg.moe is not None:
+        options["static_splits"] = True
     if lay.dp > 1 and lay.precision == "bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     lm = _mesh(lay, rank)
     try:
         model = _stage(cfg, lay, lm, shape, options)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device="cpu")
-            model.init_weights()
+            model.to_empty(device="cpu")  # no init: fake values are never read (and BASE's
+            # orthogonal init of a sharded DTensor has no sharding rule for its in-place transpose)
             decay = [p for p in model.parameters() if p.dim() >= 2]
             rest = [p for p in model.parameters() if p.dim() < 2]
             opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4)
@@ -181,7 +239,7 @@ def _measure_here(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, o
             else:
                 tracker = MemTracker()
                 tracker.track_external(model, opt)
-            with tracker, _private_propagation():
+            with tracker, _private_propagation(), _routed(model, routing, lay.coords(rank)["ep"]):
                 _one_step(model, lay, cfg, shape, opt, fsdp)
                 tracker.reset_mod_stats()  # the snapshots of the steady-state step only
                 _one_step(model, lay, cfg, shape, opt, fsdp)
@@ -251,6 +309,7 @@ class Case:
     seq_len: int = 4096
     differs: tuple[str, ...] = ()  # parts allowed past 10%, summed and compared (docs/scale.md says why)
     options: tuple = ()  # more parallelize_llama keywords, as (name, value) pairs
+    routing: str = "balanced"  # the MoE loads (`ROUTINGS`); "worst" is outside what the planner assumes
 
     def setup(self) -> tuple[LlamaConfig, Layout, TrainShape, int]:
         over = {"n_layers": self.n_layers} if self.n_layers else {}
@@ -264,7 +323,8 @@ class Case:
         stage = f", pipeline rank {self.pp_rank}" if parse_layout(self.layout).pp > 1 else ""
         depth = f", {self.n_layers} layers" if self.n_layers else ""
         extra = "".join(f", {k}={v}" for k, v in self.options)
-        return f"{self.model}{depth}: {self.layout}{extra}{stage}"
+        loads = ", worst-case loads" if self.routing == "worst" else ""
+        return f"{self.model}{depth}: {self.layout}{extra}{stage}{loads}"
 
 
 _PIPE = ("fsdp_buffers", "activations")  # under pipelining the tracker files FSDP2's kept gradients as Temp
@@ -275,7 +335,14 @@ CASES = [
     Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=0, differs=_PIPE),
     Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=4, differs=_PIPE),
     Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=7, differs=_PIPE),
+    # MoE (routed by BASE's static path: `tracked_config`); the experts' FSDP unit: see docs/scale.md
+    Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512", n_layers=2, differs=("fsdp_buffers",)),
+    Case("mixtral-8x7b", "tp=2,ep=8,etp=1,dp_shard=512", n_layers=2, differs=("fsdp_buffers",)),
+    Case("llama2-moe-1.2t", "tp=4,pp=16,ep=8,etp=1,dp_shard=16,reshard=0", pp_rank=1, n_layers=32, differs=_PIPE),
 ]
+# dropless routing at its worst: every token of the ep group to one rank's experts (not a case the
+# planner covers: docs/scale.md)
+WORST = Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512", n_layers=2, routing="worst")
 
 
 def table(cases=CASES) -> str:
@@ -284,7 +351,7 @@ def table(cases=CASES) -> str:
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in cases:
         cfg, lay, shape, rank = case.setup()
-        got = compare(cfg, lay, shape, rank, **dict(case.options))
+        got = compare(cfg, lay, shape, rank, routing=case.routing, **dict(case.options))
         cells = [case.name()]
         for k in (*PARTS, "total"):
             want, have = got[k]
@@ -295,4 +362,4 @@ def table(cases=CASES) -> str:
 
 
 if __name__ == "__main__":  # python -m moe.plan.memcheck: the table of docs/scale.md
-    print(table())
+    print(table([*CASES, WORST]))

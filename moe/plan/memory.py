@@ -8,9 +8,10 @@ Assumptions (stated once, the same for every layout):
 - Parameters: the FSDP2 shards are fp32 (the master weights under mixed precision: FSDP2
   all-gathers them in bf16 for compute); gradients are sharded fp32 (fp32 reduce dtype);
   AdamW keeps fp32 m and v: 4 + 4 + 8 = 16 bytes per local element.
-- FSDP buffers: without pipelining, two blocks gathered in compute dtype (the one running and
-  the one prefetched) and one block's unsharded gradient, in compute dtype as autograd makes it
-  and in fp32 as FSDP2 copies it for the reduce-scatter; and the root's parameters (embedding,
+- FSDP buffers: without pipelining, two FSDP units gathered in compute dtype (the one running
+  and the one prefetched: two blocks, or an MoE block's experts and the rest of a block, which
+  are units of their own) and the largest unit's unsharded gradient, in compute dtype as
+  autograd makes it and in fp32 as FSDP2 copies it for the reduce-scatter; and the root's parameters (embedding,
   final norm, output), which FSDP2 keeps gathered from the forward to the backward. Under pipelining,
   torch.distributed.pipelining keeps gradients unsharded (no sync) and parameters unsharded
   after backward until the last micro-batch: the stage's whole unsharded parameters (compute
@@ -161,7 +162,8 @@ def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: d
             out["fsdp_buffers"] = gathered * a + block_max * _GRAD_BYTES
         else:
             root = sum(unsharded_numel(x, lay, c) for st in stages for x in stage_specs_ends(cfg, lay, st))
-            out["fsdp_buffers"] = block_max * (3 * a + _GRAD_BYTES) + root * a
+            pair, unit = max(x.pair_max for x in sums), max(x.unit_max for x in sums)
+            out["fsdp_buffers"] = pair * a + unit * (a + _GRAD_BYTES) + root * a
     if ("act",) not in cache:
         cache[("act",)] = {kind: layer_activation_elems(cfg, lay, i, tokens) for kind, i in _kinds(cfg)}
     act = cache[("act",)]

@@ -5,7 +5,10 @@ of the tracker, or be one the case names as differing (docs/scale.md says why; t
 summed must not fall more than 10% under the tracker's), and the planner's total must never be
 below the tracker's peak: no layout the planner says fits can exceed the memory by its count.
 
-The default suite runs two cases at real widths; ``-m slow`` runs the table of docs/scale.md."""
+MoE layers route by BASE's static path in the tracked step (`moe.plan.memcheck.tracked_config`):
+the balanced loads the planner assumes, known on the host, so nothing is read from a fake tensor.
+
+The default suite runs four cases at real widths; ``-m slow`` runs the table of docs/scale.md."""
 
 from __future__ import annotations
 
@@ -14,12 +17,12 @@ import json
 import pytest
 
 from moe.plan.cli import main
-from moe.plan.memcheck import CASES, PARTS, Case, compare
+from moe.plan.memcheck import CASES, PARTS, WORST, Case, compare
 
 
 def check(case: Case) -> dict:
     cfg, lay, shape, rank = case.setup()
-    got = compare(cfg, lay, shape, rank, **dict(case.options))
+    got = compare(cfg, lay, shape, rank, routing=case.routing, **dict(case.options))
     for part in PARTS:
         want, have = got[part]
         if part not in case.differs:
@@ -46,6 +49,25 @@ def test_pipeline_middle_stage_against_tracker():
     check(Case("llama2-7b", "tp=2,pp=4,dp_shard=2", pp_rank=2, n_layers=8, seq_len=1024, differs=pipe))
 
 
+def test_mixtral_expert_parallel_step_against_tracker_and_its_worst_case_loads():
+    """Mixtral's per-rank shapes in a 1024-rank world, one expert per ep rank held by 64 ranks:
+    FSDP2 shards the experts' D (not the one-row expert dim, which would pad every rank to a
+    whole expert and gather 64 of them), and the routed rows' activations are the planner's.
+    Then every token of the ep group routed to this rank's experts (dropless routing's worst
+    case): its receive buffers and expert activations are ep x T x K rows, beyond the balanced
+    loads the planner assumes (docs/scale.md says so); the other parts are unchanged."""
+    got = check(Case(WORST.model, WORST.layout, n_layers=WORST.n_layers, differs=("fsdp_buffers",)))
+    assert got["params"][1] < 32 << 20  # 22 MiB a rank; 1.4 GiB on rank 0 with the expert dim sharded
+    want, have = got["activations"]
+    assert abs(have - want) <= 0.05 * want
+    cfg, lay, shape, rank = WORST.setup()
+    worst = compare(cfg, lay, shape, rank, routing="worst")
+    assert worst["activations"][1] > 3 * have
+    assert worst["total"][1] > worst["total"][0]  # over the plan: why BASE or a capacity factor bound it
+    for part in ("params", "grads", "optimizer"):
+        assert worst[part] == got[part]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.name() for c in CASES])
 def test_table_case_against_tracker(case):
@@ -64,7 +86,10 @@ def test_cli_check_memory(capsys, tmp_path):
     assert main([*common, "--search", "--check-memory"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--check-memory" in err[0] and "--layout" in err[0]
-    moe = ["--model", "tiny", *common[2:], "--layout", "dp_shard=4", "--check-memory"]
-    assert main(moe) == 2  # not measured yet: refused in one line, not a traceback from the child
+    moe = ["--model", "tiny", *common[2:], "--check-memory"]
+    assert main([*moe, "--layout", "ep=2,dp_shard=4"]) == 0
+    out = capsys.readouterr().out
+    assert "tracked step of rank 0" in out and "within the" in out
+    assert main([*moe, "--layout", "dp_shard=4"]) == 2  # refused in one line, not a traceback from the child
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "dense models only" in err[0]
+    assert len(err) == 1 and "expert parallelism (ep > 1) only" in err[0]
