@@ -87,12 +87,18 @@ def _check_train(args, p) -> None:
     if args.batch % dp:
         raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel size {dp}")
     if micro_batch is not None:
-        from ..train.preflight import micro_batches_for
+        from ..train.preflight import step_split
 
         try:
-            args.micro_batches = micro_batches_for(args.layout, micro_batch, args.batch // dp, args.pp)
+            args.micro_batches, accum = step_split(args.layout, micro_batch, args.batch // dp, args.pp)
         except ValueError as err:
             raise UsageError(str(err)) from None
+        if "grad_accum" in args._explicit and args.grad_accum != accum:
+            raise UsageError(
+                f"--grad-accum {args.grad_accum}: --layout {args.layout!r} runs micro_batch={micro_batch} "
+                f"sequences a pass, {accum} passes a step: drop --grad-accum"
+            )
+        args.grad_accum = accum
     if dp_shard % args.ep:
         raise UsageError(f"--ep {args.ep} must divide --dp-shard {dp_shard}: the ep ranks are dp_shard ranks")
     n_layers = args.n_layers or PRESETS[args.preset].n_layers

@@ -22,8 +22,8 @@ __all__ = [
     "describe",
     "fit_check",
     "layout_options",
-    "micro_batches_for",
     "step_bytes",
+    "step_split",
 ]
 
 # the fields of LlamaConfig / MoEConfig a message may name -> the option that sets them
@@ -49,8 +49,9 @@ _UNSUPPORTED = {"loss_parallel": "moe train computes the loss on gathered logits
 def layout_options(text: str, world: int | None) -> tuple[dict, int]:
     """``moe plan``'s layout string (``tp=8,pp=16,ep=8,...``, as it prints it) -> the trainer's
     layout options, and the planner's micro-batch size in sequences (the trainer counts
-    micro-batches: `micro_batches_for`). ``world``: the processes, when known (dp_shard is what
-    they leave, as in the planner); else the layout's own product is the world."""
+    micro-batches and gradient accumulation: `step_split`). ``world``: the processes, when
+    known (dp_shard is what they leave, as in the planner); else the layout's own product is
+    the world."""
     from ..plan.layout import parse_layout
 
     try:
@@ -76,20 +77,16 @@ def layout_options(text: str, world: int | None) -> tuple[dict, int]:
     return opts, lay.micro_batch
 
 
-def micro_batches_for(text: str, micro_batch: int, rows: int, pp: int) -> int | None:
-    """The trainer's micro-batch count for the planner's micro-batch size (``rows``: the
-    sequences of one data-parallel rank per step); None without pipeline stages."""
-    if pp == 1:
-        if micro_batch != 1 and micro_batch != rows:
-            raise ValueError(
-                f"--layout {text!r}: micro_batch={micro_batch} splits steps, which the trainer does with --pp > 1 only"
-            )
-        return None
+def step_split(text: str, micro_batch: int, rows: int, pp: int) -> tuple[int | None, int]:
+    """The trainer's (micro-batch count, gradient accumulation) for the planner's micro-batch
+    size (``rows``: the sequences of one data-parallel rank per step): pipeline stages take
+    ``rows / micro_batch`` micro-batches; one stage runs that many backward passes
+    (``--grad-accum``), so each forward holds the micro-batch the planner counted."""
     if rows % micro_batch:
         raise ValueError(
             f"--layout {text!r}: micro_batch={micro_batch} must divide the {rows} sequences of each data-parallel rank"
         )
-    return rows // micro_batch
+    return (None, rows // micro_batch) if pp == 1 else (rows // micro_batch, 1)
 
 
 def check_model(cfg: TrainConfig, saved_model: dict | None = None) -> LlamaConfig:

@@ -72,11 +72,12 @@ def test_shipped_configs_parse_and_build_on_meta(tmp_path, monkeypatch, llama_7b
         if path.stem == "demo":
             assert cfg == TrainConfig(out=cfg.out, dp_shard=1)  # the defaults, as the file says
         if path.stem.startswith("mixtral"):
-            assert (opts["pp"], opts["ep"], opts["dp_shard"], opts["nproc"]) == (4, 8, 16, 64)
-            assert opts["micro_batches"] == 1024 // 16 and mc.num_params() == PRESETS["mixtral-8x7b"].num_params()
+            assert (opts["pp"], opts["ep"], opts["dp_shard"], opts["nproc"]) == (1, 8, 64, 64)
+            assert (opts["reshard"], opts["ep_chunks"], opts["micro_batches"]) == (0, 4, None)
+            assert opts["grad_accum"] == 1024 // 64 and mc.num_params() == PRESETS["mixtral-8x7b"].num_params()
         if path.stem.startswith("llama2-moe-1.2t"):  # moe plan's pick for 1024 H200: etp in stages, chunks
             lay = tuple(opts[k] for k in ("tp", "pp", "pp_schedule", "ep", "etp", "dp_shard", "nproc"))
-            assert lay == (4, 16, "1f1b", 8, True, 16, 1024) and (opts["ep_chunks"], opts["reshard"]) == (4, 0)
+            assert lay == (4, 16, "1f1b", 8, True, 16, 1024) and (opts["ep_chunks"], opts["reshard"]) == (4, 1)
             assert opts["micro_batches"] == 4096 // 16 and mc.num_params() == PRESETS["llama2-moe-1.2t"].num_params()
         if path.stem.startswith("llama2-7b"):
             assert mc.moe.num_experts == 8 and mc.moe.router == "base" and mc.moe_layers == list(range(1, 32, 2))

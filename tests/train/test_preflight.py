@@ -111,7 +111,7 @@ def _resolved(argv: list[str]) -> dict:
     args._explicit = cli._explicit(parser, ["train", *argv])
     cli._check_train(args, parser)
     return {k: getattr(args, k) for k in ("nproc", "tp", "pp", "ep", "etp", "dp_shard", "dp_replicate",
-                                          "pp_schedule", "micro_batches", "ac", "dispatch")}  # fmt: skip
+                                          "pp_schedule", "micro_batches", "grad_accum", "ac", "dispatch")}  # fmt: skip
 
 
 def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
@@ -120,17 +120,18 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     base = ["--preset", "tiny", "--batch", "8", "--seq-len", "32"]
     cases = [  # a layout as moe plan prints it (Layout.short) -> the same run given by flags
-        (Layout(tp=2, ep=2, dp_shard=2, etp=True), ["--nproc", "4", "--tp", "2", "--ep", "2", "--etp"]),
+        # without stages the planner's micro_batch (1) is a pass: --grad-accum is the rank's rows / it
+        (Layout(tp=2, ep=2, dp_shard=2, etp=True), ["--nproc", "4", "--tp", "2", "--ep", "2", "--etp", "--grad-accum", "4"]),
         (Layout(pp=2, dp_shard=2, micro_batch=2), ["--nproc", "4", "--pp", "2", "--micro-batches", "2"]),
         (Layout(pp=2, vpp=2, schedule="interleaved_1f1b", micro_batch=4),
          ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--micro-batches", "2"]),
-        (Layout(dp_shard=2, dp_replicate=2), ["--nproc", "4", "--dp-replicate", "2"]),
-        (Layout(tp=2, dp_shard=2, recompute=True), ["--nproc", "4", "--tp", "2", "--ac", "full"]),
+        (Layout(dp_shard=2, dp_replicate=2, micro_batch=2), ["--nproc", "4", "--dp-replicate", "2"]),
+        (Layout(tp=2, dp_shard=2, recompute=True), ["--nproc", "4", "--tp", "2", "--ac", "full", "--grad-accum", "4"]),
         (Layout(pp=2, tp=2, etp=True, reshard=False, micro_batch=4),  # the 1.2T pick's kind: etp in stages
          ["--nproc", "4", "--pp", "2", "--tp", "2", "--etp", "--reshard", "0", "--micro-batches", "2"]),
         (Layout(ep=4, dp_shard=4, dispatch="hierarchical"),
-         ["--nproc", "4", "--ep", "4", "--dispatch", "hierarchical"]),
-        (Layout(ep=2, dp_shard=2, chunks=2), ["--nproc", "2", "--ep", "2", "--ep-chunks", "2"]),
+         ["--nproc", "4", "--ep", "4", "--dispatch", "hierarchical", "--grad-accum", "2"]),
+        (Layout(ep=2, dp_shard=2, chunks=2), ["--nproc", "2", "--ep", "2", "--ep-chunks", "2", "--grad-accum", "4"]),
     ]  # fmt: skip
     for lay, flags in cases:
         text = lay.short()
@@ -140,14 +141,17 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
     bad = [
         ("tp=2,precision=fp8", "precision=fp8 is not run"),
         ("pp=2,micro_batch=3", "micro_batch=3 must divide the 8 sequences"),
+        ("dp_shard=2,micro_batch=3", "micro_batch=3 must divide the 4 sequences"),
         ("tp=2,dp_shard=2", "must multiply to the world size 2"),  # with --nproc 2
     ]
     for text, message in bad:
-        extra = ["--nproc", "2"] if "dp_shard=2" in text else []
+        extra = ["--nproc", "2"] if text == "tp=2,dp_shard=2" else []
         with pytest.raises(UsageError, match=message):
             _resolved([*base, "--layout", text, *extra])
     with pytest.raises(UsageError, match="--layout replaces --tp"):
         _resolved([*base, "--layout", "tp=2", "--tp", "2"])
+    with pytest.raises(UsageError, match="--grad-accum 2: --layout 'tp=2' runs micro_batch=1 sequences a pass, 8"):
+        _resolved([*base, "--layout", "tp=2", "--grad-accum", "2"])
 
 
 def test_dry_run_builds_on_meta_and_prints_size_layout_and_memory(tmp_path, capsys):
