@@ -33,6 +33,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--experts", type=_positive("--experts"), default=None, help="experts per MoE layer (preset's)")
     m.add_argument("--top-k", type=_positive("--top-k"), default=None, help="experts per token (1 for base)")
     m.add_argument("--router", choices=ROUTERS, default=d.router, help="router of the MoE layers")
+    m.add_argument("--base-balance", choices=("group", "rank"), default=d.base_balance,
+                   help="BASE under --ep: balance the ep group's tokens together (group) or each rank's")  # fmt: skip
     m.add_argument("--moe-every", type=_positive("--moe-every"), default=None, help="every N-th MLP is MoE")
     m.add_argument("--dense", action="store_true", help="no MoE layer: a dense Llama")
     m.add_argument("--dim", type=_positive("--dim"), default=None, help="model width (preset's)")

@@ -88,6 +88,10 @@ class BaseRouter(GatedRouter):
                 idx_TK = self.assign(logits_TE.detach(), cfg.top_k, **options)
         else:
             idx_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices
+        preferred = None
+        if self.training:  # slots on one of their token's K best experts: what balance costs
+            best_TK = logits_TE.detach().topk(cfg.top_k, dim=1).indices
+            preferred = (idx_TK.unsqueeze(2) == best_TK.unsqueeze(1)).any(dim=2).sum()
         weights_TK = torch.sigmoid(logits_TE.gather(1, idx_TK))
         counts_E = bincount(idx_TK, cfg.num_experts)
         probs_TE = logits_TE.softmax(dim=-1)
@@ -96,5 +100,6 @@ class BaseRouter(GatedRouter):
         if self.host_syncs and not torch.compiler.is_compiling():
             stats = routing_stats(counts_E, idx_TK.numel(), 0, probs_TE)
         return RoutingResult(
-            expert_idx=idx_TK, weights=weights_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
-        )
+            expert_idx=idx_TK, weights=weights_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats,
+            preferred=preferred,
+        )  # fmt: skip

@@ -54,6 +54,9 @@ class RoutingResult:
     z_loss: Tensor = field(default_factory=lambda: torch.zeros(()))  # scalar router z-loss
     # balance metrics, see `RoutingStats`; None where they would need host reads (sync-free BASE, torch.compile)
     stats: RoutingStats | None = None
+    # BASE in training: how many slots went to one of their token's K highest-scoring experts
+    # (a scalar int64 on the device, read by the trainer's metrics once a step); None elsewhere
+    preferred: Tensor | None = None
 
     def __post_init__(self) -> None:
         idx, w, c = self.expert_idx, self.weights, self.counts

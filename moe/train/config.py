@@ -31,6 +31,7 @@ class TrainConfig:
     experts: int | None = None
     top_k: int | None = None  # None: 1 for BASE, else the preset's
     router: str = "base"
+    base_balance: str = "group"  # BASE under ep: over the ep group's tokens (group) or each rank's (rank)
     moe_every: int | None = None
     dense: bool = False  # no MoE layer at all (a dense Llama, e.g. to export as LlamaForCausalLM)
     dim: int | None = None
@@ -108,7 +109,7 @@ LAYOUT_FIELDS = (
 )  # fmt: skip
 
 RESUME_KEEPS = (
-    "preset experts top_k router moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "
+    "preset experts top_k router base_balance moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "
     "capacity_factor from_hf upcycle data tokenizer text_key doc_mask batch seq_len val_fraction steps lr min_lr_ratio "
     "warmup weight_decay grad_clip seed"
 ).split()

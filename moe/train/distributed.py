@@ -148,7 +148,8 @@ def parallelize(model: nn.Module, cfg, device: torch.device) -> tuple[nn.Module,
     lm = LlamaMesh.build(mesh, ep=cfg.ep)
     moe = model.config.moe
     # BASE balances over the whole ep group, as one process balances over the whole batch
-    global_base = cfg.ep > 1 and moe is not None and moe.router == "base"
+    # (--base-balance rank: each rank's tokens alone)
+    global_base = cfg.ep > 1 and moe is not None and moe.router == "base" and cfg.base_balance == "group"
     blocks = dict(activation_checkpoint=False if cfg.ac == "none" else cfg.ac, dispatch=cfg.dispatch,
                   ranks_per_node=cfg.ranks_per_node, compile=cfg.compile, chunks=cfg.ep_chunks,
                   reshard_after_forward=bool(cfg.reshard))  # fmt: skip

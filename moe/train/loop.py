@@ -112,7 +112,8 @@ class Trainer:
                                    compile=cfg.compile)  # fmt: skip
         self.pipe = self.layout.pipe
         moe = self.model_config.moe
-        self.loads = LoadCounter(self.model, keys, moe.num_experts if moe else 0, self.device)
+        self.loads = LoadCounter(self.model, keys, moe.num_experts if moe else 0, self.device,
+                                 preferred=moe is not None and moe.router == "base")  # fmt: skip
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(

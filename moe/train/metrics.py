@@ -34,7 +34,8 @@ class LoadCounter:
 
     A forward hook on every MoE layer of ``model`` (in training mode only, so evaluation does
     not count, and not in an activation-checkpointing re-run) adds the layer's per-expert
-    counts, slots and dropped slots to one (L, E + 2) int64 tensor on the device, without a
+    counts, slots, dropped slots and (BASE) slots on one of their token's K best experts to one
+    (L, E + 3) int64 tensor on the device, without a
     host read: the micro-batches of a pipeline step add up. `stats` then sums it over the ranks
     with ``sum_over_ranks`` (one all-reduce per step, after the step) and derives the balance,
     so the logged loads are those of the whole global batch, as in one process.
@@ -44,9 +45,11 @@ class LoadCounter:
     Slots are T*K (T for expert choice, whose dropped slots are the tokens no expert took).
     """
 
-    def __init__(self, model: nn.Module, keys: list[str], num_experts: int, device) -> None:
+    def __init__(self, model: nn.Module, keys: list[str], num_experts: int, device, *, preferred: bool = False) -> None:
         self.keys, self.num_experts = list(keys), num_experts
-        self.rows = torch.zeros(len(self.keys), num_experts + 2, dtype=torch.int64, device=device)
+        # per layer: E counts, slots, dropped slots, slots on one of their token's K best experts
+        self.rows = torch.zeros(len(self.keys), num_experts + 3, dtype=torch.int64, device=device)
+        self.preferred = preferred  # the routers report the last column (BASE; the same on every rank)
         for name, module in model.named_modules():
             if isinstance(module, MoE):
                 module.register_forward_hook(self._hook(self.keys.index(_layer_key(name))))
@@ -65,6 +68,8 @@ class LoadCounter:
             r[: self.num_experts] += res.counts.to(r.device)
             r[self.num_experts] += slots
             r[self.num_experts + 1] += dropped.to(r.device)
+            if res.preferred is not None:
+                r[self.num_experts + 2] += res.preferred.to(r.device)
 
         return hook
 
@@ -78,7 +83,7 @@ class LoadCounter:
         rows = rows.double().cpu()
         out = {}
         for key, r in zip(self.keys, rows, strict=True):
-            counts, slots, dropped = r[: self.num_experts], float(r[-2]), float(r[-1])
+            counts, slots, dropped = r[: self.num_experts], float(r[-3]), float(r[-2])
             mean = float(counts.mean())
             routed = float(counts.sum())
             out[key] = {
@@ -87,6 +92,8 @@ class LoadCounter:
                 "dropped": dropped / slots if slots else 0.0,
                 "load": (counts / routed).tolist() if routed else [0.0] * self.num_experts,
             }
+            if self.preferred:  # BASE: the share of slots on one of their token's K highest-scoring experts
+                out[key]["preferred"] = float(r[-1]) / slots if slots else 0.0
         return out
 
 

@@ -39,6 +39,10 @@ def test_training_is_exactly_balanced(t, e, k, seed):
     # the training assignment is the optimal balanced one, not merely a balanced one
     best = float(assignment_score(logits, balanced_assignment_ref(logits, k)))
     assert float(assignment_score(logits, res.expert_idx)) == pytest.approx(best, rel=1e-5, abs=1e-5)
+    # preferred: the slots that went to one of their token's K highest-scoring experts, counted per slot
+    top = [set(row) for row in logits.topk(k, dim=1).indices.tolist()]
+    want = sum(e in top[i] for i, row in enumerate(res.expert_idx.tolist()) for e in row)
+    assert res.preferred.dtype == torch.int64 and int(res.preferred) == want
 
 
 def test_eval_is_greedy_top_k():

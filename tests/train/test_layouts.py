@@ -67,8 +67,9 @@ def _same(rows, expect, what):
             assert sorted(r["moe"]) == sorted(e["moe"]) != [], (what, r["step"])
             for layer, stats in e["moe"].items():
                 got = r["moe"][layer]
-                for key in ("max_load", "cv", "dropped", "load"):
-                    assert got[key] == pytest.approx(stats[key], **LOADS), (what, r["step"], layer, key)
+                for key in ("max_load", "cv", "dropped", "load", "preferred"):
+                    if key in stats or key in got:  # preferred: BASE routers only
+                        assert got[key] == pytest.approx(stats[key], **LOADS), (what, r["step"], layer, key)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,19 @@ def test_ep2_then_tp2_then_one_process_give_the_one_process_losses(tmp_path, dat
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     _same(rows, expect, "ep=2 -> tp=2 -> one process")
+
+
+def test_base_balance_rank_under_ep2_is_dp_shard2_without_ep(tmp_path, data):
+    """--base-balance rank: each ep rank balances its own tokens, as each data-parallel rank does
+    without ep, so ep=2 gives the dp_shard=2 run's losses and loads (and not the ep=2 group's)."""
+    common = [*TINY, "--data", data, "--steps", 2, "--eval-every", 2, "--aux-loss-coef", 0, "--nproc", 2]
+    per_rank, dp = tmp_path / "rank", tmp_path / "dp"
+    moe("train", *common, "--out", per_rank, "--ep", 2, "--base-balance", "rank")
+    moe("train", *common, "--out", dp)
+    rows = _metrics(per_rank)
+    _same(rows, _metrics(dp), "ep=2 --base-balance rank vs dp_shard=2")
+    assert all("preferred" in stats for stats in rows[-1]["moe"].values())
+    assert json.loads((per_rank / "config.json").read_text())["train"]["base_balance"] == "rank"
 
 
 def test_a_bad_layout_under_torchrun_exits_2_on_every_rank(tmp_path):

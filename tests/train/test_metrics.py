@@ -25,7 +25,7 @@ def _model(router: str, **moe) -> Llama:
 )
 def test_one_forward_gives_the_routers_own_stats(router, moe):
     model = _model(router, **moe)
-    counter = LoadCounter(model, moe_layer_keys(model), model.config.moe.num_experts, "cpu")
+    counter = LoadCounter(model, moe_layer_keys(model), model.config.moe.num_experts, "cpu", preferred=router == "base")
     model(torch.randint(0, model.config.vocab_size, (3, 10)))
     stats = counter.stats()
     assert sorted(stats) == ["1", "3"]
@@ -36,6 +36,10 @@ def test_one_forward_gives_the_routers_own_stats(router, moe):
         assert got["cv"] == pytest.approx(want.load_cv, rel=1e-12, abs=1e-15)
         assert got["dropped"] == pytest.approx(want.dropped_fraction, rel=1e-12)
         assert got["load"] == pytest.approx((res.counts.double() / res.counts.sum()).tolist(), rel=1e-12)
+        if router == "base":  # the share of slots on one of their token's K best experts
+            assert got["preferred"] == int(res.preferred) / res.expert_idx.numel() and 0 < got["preferred"] <= 1
+        else:
+            assert "preferred" not in got
     if router == "topk":
         assert all(s["dropped"] > 0 for s in stats.values())  # the capacity drops some slots
 

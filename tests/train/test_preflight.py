@@ -121,7 +121,8 @@ def test_the_planners_layout_string_runs_as_the_flags(tmp_path, monkeypatch):
     base = ["--preset", "tiny", "--batch", "8", "--seq-len", "32"]
     cases = [  # a layout as moe plan prints it (Layout.short) -> the same run given by flags
         # without stages the planner's micro_batch (1) is a pass: --grad-accum is the rank's rows / it
-        (Layout(tp=2, ep=2, dp_shard=2, etp=True), ["--nproc", "4", "--tp", "2", "--ep", "2", "--etp", "--grad-accum", "4"]),
+        (Layout(tp=2, ep=2, dp_shard=2, etp=True),
+         ["--nproc", "4", "--tp", "2", "--ep", "2", "--etp", "--grad-accum", "4"]),
         (Layout(pp=2, dp_shard=2, micro_batch=2), ["--nproc", "4", "--pp", "2", "--micro-batches", "2"]),
         (Layout(pp=2, vpp=2, schedule="interleaved_1f1b", micro_batch=4),
          ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--micro-batches", "2"]),
