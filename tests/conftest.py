@@ -22,7 +22,19 @@ settings.register_profile("dev", max_examples=500, deadline=None, suppress_healt
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# the files that run the most subprocesses go first, so that under pytest-xdist's loadfile
+# schedule the long files start early and the short ones fill in at the end (the order within a
+# file is kept, and no test depends on another file's)
+_FIRST = ("tests/train/test_layouts.py", "tests/train/", "tests/parallel/", "tests/adapters/")
+
+
+def _weight(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_weight)  # stable: files keep their order within each group
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
