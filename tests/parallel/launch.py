@@ -38,3 +38,18 @@ def init(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def check_nan_on_one_rank(layer, make_input, bad_rank: int, at: tuple[int, int] = (1, 0)) -> None:
+    """``layer(make_input())`` with a NaN at ``at`` in ``bad_rank``'s input raises there ("finite")
+    and on every other rank ("ranks [bad_rank] failed"), instead of leaving them waiting in the
+    next collective; the group is still usable afterwards."""
+    import pytest
+    import torch
+
+    x = make_input()
+    if dist.get_rank() == bad_rank:
+        x[at] = float("nan")
+    with pytest.raises(ValueError, match="finite" if dist.get_rank() == bad_rank else rf"ranks \[{bad_rank}\] failed"):
+        layer(x)
+    assert torch.isfinite(layer(make_input())).all()

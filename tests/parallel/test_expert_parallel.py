@@ -23,7 +23,7 @@ from moe.parallel import FlatDispatcher, parallelize_moe, reduce_gradients
 from moe.routing import expert_capacities
 
 from ..host_reads import HostReads
-from .launch import init, spawn
+from .launch import check_nan_on_one_rank, init, spawn
 
 pytestmark = pytest.mark.distributed
 a2a_module = importlib.import_module("moe.parallel.all_to_all")  # the module, not the function
@@ -340,17 +340,10 @@ def check_disagreement_2d(mesh) -> None:
 def check_failing_rank(mesh) -> None:
     """A rank whose input cannot be routed (NaN) raises, and so do the others, instead of waiting
     for it in the next collective: counted dispatch and global BASE."""
-    rank = dist.get_rank()
     cases = (("topk", {}), ("base", {"global_base": True}), ("base-approx", {}), ("base-approx", {"global_base": True}))
     for case, options in cases:
         layer = parallelize_moe(build(case), mesh, **options)
-        x = tokens_of(case, rank, 5)
-        if rank == 1:
-            x[2, 3] = float("nan")
-        with pytest.raises(ValueError, match="finite" if rank == 1 else r"ranks \[1\] failed"):
-            layer(x)
-        y = layer(tokens_of(case, rank, 5))  # the group is still usable afterwards
-        assert torch.isfinite(y).all()
+        check_nan_on_one_rank(layer, lambda c=case: tokens_of(c, dist.get_rank(), 5), bad_rank=1, at=(2, 3))
 
 
 def check_bad_arguments(mesh) -> None:
