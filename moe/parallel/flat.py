@@ -17,7 +17,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..dispatchers import Dispatcher
 from ..kernels import permute, unpermute
 from ..layer import MoE
-from ..routing import BaseRouter, TopKRouter, balanced_assignment, balanced_assignment_approx, expert_capacities
+from ..routing import (
+    BaseRouter,
+    TopKRouter,
+    balanced_assignment,
+    balanced_assignment_approx,
+    expert_capacities,
+    expert_capacities_list,
+)
 from ..routing.common import check_seq_len, in_backward
 from .agreement import Agreement, input_error
 from .all_to_all import all_gather_rows, reduce_scatter_rows
@@ -172,8 +179,7 @@ class FlatDispatcher(Dispatcher):
         if not self._static(layer.router):
             return None
         num_tokens, k = routing.expert_idx.shape
-        base, extra = divmod(num_tokens * k, layer.config.num_experts)  # expert_capacities' rule, in Python:
-        known = [base + (e < extra) for e in range(layer.config.num_experts)]  # no tensor to read back
+        known = expert_capacities_list(num_tokens, layer.config.num_experts, k)  # no tensor to read back
         expected = expert_capacities(num_tokens, layer.config.num_experts, k, device=counts_E.device)
         if self.strategy == "per_expert":  # the send order: by local expert, then by rank
             expected = expected.view(self.ep_size, -1).T.reshape(-1)

@@ -9,6 +9,7 @@ from .balanced import (
     balanced_assignment_approx,
     balanced_assignment_ref,
     expert_capacities,
+    expert_capacities_list,
     release_work_buffers,
 )
 from .base import BaseRouter
@@ -34,6 +35,7 @@ __all__ = [
     "balanced_assignment_ref",
     "build_router",
     "expert_capacities",
+    "expert_capacities_list",
     "load_balancing_loss",
     "release_work_buffers",
     "router_z_loss",

@@ -573,3 +573,12 @@ def test_reference_handles_empty_input():
     assert balanced_assignment_ref(torch.zeros(0, 3), 2).shape == (0, 2)
     with pytest.raises(ValueError, match="eps"):
         balanced_assignment_ref(torch.zeros(2, 2), eps=0.0)
+
+
+@pytest.mark.parametrize(("t", "e", "k"), [(0, 3, 1), (7, 3, 2), (10, 5, 5), (1, 8, 1)])
+def test_capacities_on_the_host_equal_the_tensor(t, e, k):
+    from moe.routing import expert_capacities_list
+
+    assert expert_capacities_list(t, e, k) == expert_capacities(t, e, k).tolist()
+    with pytest.raises(ValueError, match="k must be in"):
+        expert_capacities_list(t, e, e + 1)

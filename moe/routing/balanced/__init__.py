@@ -22,7 +22,16 @@ then `exact`, `approx` and `reference`, one solver each; `capacities` holds the 
 # (the tests reach them as moe.routing.balanced._Pairs and the like).
 from .approx import _APPROX_WIDTHS, _bids, _complete, balanced_assignment_approx
 from .buffers import _WORKSPACE_MAX_BYTES, _buffers, _levels, _Work, _workspace, release_work_buffers
-from .capacities import EXTRAS, _Capacities, _check_extras, _loads, _round_robin, assignment_score, expert_capacities
+from .capacities import (
+    EXTRAS,
+    _Capacities,
+    _check_extras,
+    _loads,
+    _round_robin,
+    assignment_score,
+    expert_capacities,
+    expert_capacities_list,
+)
 from .exact import balanced_assignment
 from .inputs import (
     _add_jitter,
@@ -44,6 +53,7 @@ __all__ = [
     "balanced_assignment_approx",
     "balanced_assignment_ref",
     "expert_capacities",
+    "expert_capacities_list",
     "assignment_score",
     "release_work_buffers",
 ]

@@ -14,6 +14,21 @@ from torch import Tensor
 from ..common import bincount
 
 
+def _split(num_tokens: int, num_experts: int, k: int) -> tuple[int, int]:
+    """``divmod(T * K, E)`` of checked arguments (see `expert_capacities`)."""
+    for name, value in (("num_tokens", num_tokens), ("num_experts", num_experts), ("k", k)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    num_tokens, num_experts, k = int(num_tokens), int(num_experts), int(k)
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k must be in [1, num_experts={num_experts}] (a token's experts are distinct), got {k}")
+    return divmod(num_tokens * k, num_experts)
+
+
 def expert_capacities(num_tokens: int, num_experts: int, k: int = 1, *, device=None) -> Tensor:
     """Tokens per expert under exact balance: (E,) int64.
 
@@ -26,19 +41,16 @@ def expert_capacities(num_tokens: int, num_experts: int, k: int = 1, *, device=N
     Every argument is an int (a bool is not), ``num_tokens >= 0`` and ``1 <= k <= num_experts``
     (a token holds distinct experts), so no expert is given more than T tokens.
     """
-    for name, value in (("num_tokens", num_tokens), ("num_experts", num_experts), ("k", k)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    num_tokens, num_experts, k = int(num_tokens), int(num_experts), int(k)
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k must be in [1, num_experts={num_experts}] (a token's experts are distinct), got {k}")
-    base, extra = divmod(num_tokens * k, num_experts)
+    base, extra = _split(num_tokens, num_experts, k)
     caps = torch.full((num_experts,), base, dtype=torch.int64, device=device)
     return caps + (torch.arange(num_experts, device=device) < extra)
+
+
+def expert_capacities_list(num_tokens: int, num_experts: int, k: int = 1) -> list[int]:
+    """`expert_capacities` as a Python list, made on the host: for split sizes known without
+    reading a tensor back (also under FakeTensorMode)."""
+    base, extra = _split(num_tokens, num_experts, k)
+    return [base + (e < extra) for e in range(num_experts)]
 
 
 def assignment_score(scores_TE: Tensor, expert_idx_TK: Tensor) -> Tensor:
