@@ -61,7 +61,6 @@ BAD = [
     (["train", "--nproc", "2", "--ep", "2", "--ranks-per-node", "3"], "--ranks-per-node 3 must divide --ep 2"),
     (["train", "--ep-chunks", "2"], "--ep-chunks 2 chunks the expert-parallel exchange: it needs --ep > 1"),
     (["train", "--ep-chunks", "0"], "--ep-chunks"),
-    (["train", "--nproc", "2", "--tp", "2", "--etp", "--dispatch", "hierarchical"], "drop --etp or use --dispatch"),
     (["train", "--grad-accum", "3"], "--grad-accum 3 must divide the 8 sequences of each data-parallel rank"),
     (["train", "--nproc", "2", "--pp", "2", "--grad-accum", "2"], "pipeline stages split a step with --micro-batches"),
     (["train", "--nproc", "4", "--pp", "2", "--dp-replicate", "2"], "not with --dp-replicate 2"),

@@ -110,7 +110,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                      help="expert-parallel dispatch (hierarchical: a token crosses once per node; auto: when ep "
                      "spans nodes)")  # fmt: skip
     lay.add_argument("--ranks-per-node", type=_positive("--ranks-per-node"), default=None,
-                     help="ranks per node of the ep group, for --dispatch (default: LOCAL_WORLD_SIZE)")  # fmt: skip
+                     help="ranks per node of the ep group, for --dispatch (default: by LOCAL_WORLD_SIZE)")  # fmt: skip
     lay.add_argument("--reshard", type=int, choices=(0, 1), default=d.reshard,
                      help="0: FSDP2 keeps each block gathered from forward to backward (plan's reshard=0)")  # fmt: skip
     lay.add_argument("--ep-chunks", type=_positive("--ep-chunks"), default=d.ep_chunks,

@@ -126,6 +126,9 @@ class Agreement:
         # the group of the "global" stage: global BASE's, the ep group unless it balances over
         # a larger one (the torchtitan adapter's, over every data-parallel rank)
         self.global_group = ep_group
+        # values each rank sends every rank in the count exchange: the flat dispatcher's rows per
+        # local expert, unless the dispatcher exchanges other counts (the two-level one's)
+        self.count_width = num_experts // dist.get_world_size(ep_group)
 
     def start(self, stages: list[str]) -> None:
         self.ahead = list(stages)
@@ -147,11 +150,10 @@ class Agreement:
                 exchange_sizes(-1, self.global_group, self.device)
             elif stage == "static":
                 exchange_sizes(-1, self.ep_group, self.device)
-            else:  # "counts": the count exchange of `dispatch`, every count -1
-                world = dist.get_world_size(self.ep_group)
-                poison = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
-                per_rank = self.num_experts // world
-                all_to_all(poison, [per_rank] * world, [per_rank] * world, self.ep_group)
+            else:  # "counts": the dispatcher's count exchange, every count -1
+                world, width = dist.get_world_size(self.ep_group), self.count_width
+                poison = torch.full((world * width,), -1, dtype=torch.int64, device=self.device)
+                all_to_all(poison, [width] * world, [width] * world, self.ep_group)
         raise err
 
     def _etp_exchange(self, n: int, seq_len: int | None) -> list[list[int]]:

@@ -46,6 +46,7 @@ __all__ = [
     "resolve_strategy",
     "row_ranges",
     "send_key",
+    "send_rows",
 ]
 
 STRATEGIES = ("auto", "resort", "per_expert")
@@ -187,10 +188,20 @@ def dispatch(
     the caller's contract that they hold on every rank; ``counts_E`` is not read.
     """
     group = group or dist.group.WORLD
-    world = dist.get_world_size(group)
     strategy = resolve_strategy(strategy, x_MD.device)
     send, recv = exchange_counts(counts_E, x_MD.shape[0], group, known_counts=known_counts, strategy=strategy)
-    per_rank = counts_E.numel() // world
+    return send_rows(x_MD, send, recv, group, strategy=strategy)
+
+
+def send_rows(
+    x_MD: Tensor, send: list[list[int]], recv: list[list[int]], group, *, strategy: str = "auto"
+) -> tuple[Tensor, Tensor, DispatchInfo]:
+    """`dispatch` with its splits already on the host: ``send`` / ``recv`` (W, El), rows sent
+    to (received from) rank j for local expert e, as `exchange_counts` gives them. No host
+    sync; the caller vouches that every rank's ``recv`` is what the others ``send`` it."""
+    world = dist.get_world_size(group)
+    strategy = resolve_strategy(strategy, x_MD.device)
+    per_rank = len(send[0])
     counts_local = torch.tensor([sum(col) for col in zip(*recv, strict=True)], dtype=torch.int64)  # on the host
     if strategy == "per_expert":
         x_local = _ExpertBlocks.apply(x_MD, _transpose(send), _transpose(recv), group)

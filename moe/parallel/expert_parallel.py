@@ -17,8 +17,6 @@ Layouts (docs/parallel.md):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -52,8 +50,17 @@ def _mesh_dim(mesh: DeviceMesh, name: str | None, arg: str) -> int | None:
     return names.index(name)
 
 
-def _env_rpn() -> str:
-    return f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}"
+def _nodes(mesh: DeviceMesh, ep: str, ranks_per_node: int | None, dispatch: str) -> int | str:
+    """The ep ranks per node this rank finds (`resolve_ranks_per_node`), or why it cannot: the
+    default comes from each rank's environment and its own ep group, so the ranks agree on
+    it before anything uses it. The flat dispatch has no use for the default."""
+    try:
+        ranks = dist.get_process_group_ranks(mesh.get_group(ep))
+        if dispatch == "flat" and ranks_per_node is None:
+            return len(ranks)
+        return resolve_ranks_per_node(ranks_per_node, ranks)
+    except (ValueError, KeyError, RuntimeError) as err:  # a bad mesh or ep name: raised in its own check
+        return str(err)
 
 
 @torch.no_grad()
@@ -93,12 +100,13 @@ def parallelize_moe(
             ("auto", "resort" or "per_expert").
         dispatch: "flat" (every ep rank exchanges rows with every other, `FlatDispatcher`),
             "hierarchical" (nodes x ranks per node: a token crosses between nodes once per
-            destination node, `HierarchicalDispatcher`; no etp, no static_splits) or "auto"
-            (hierarchical when the ep group spans more than one node and neither etp nor
-            static_splits is asked for, else flat).
+            destination node, `HierarchicalDispatcher`; no static_splits) or "auto"
+            (hierarchical when the ep group spans more than one node and static_splits is not
+            asked for, else flat).
         ranks_per_node: the ep ranks per node (ep rank r is on node r // ranks_per_node); must
-            divide the ep size. Default: the environment's ``LOCAL_WORLD_SIZE`` (at most the
-            ep size), else the whole group is one node.
+            divide the ep size. Default: from the environment's ``LOCAL_WORLD_SIZE`` (torchrun's),
+            the ep ranks on ep rank 0's node (so tp ranks in the node are not counted), else
+            the whole group is one node (`resolve_ranks_per_node`).
         chunks: C > 1 cuts each forward's row exchange into C chunks, each chunk's rows in
             flight while another's experts compute, forward and backward (`ChunkedDispatcher`;
             with dispatch="hierarchical", the exchange between nodes in C chunks,
@@ -119,8 +127,7 @@ def parallelize_moe(
         "global_base": global_base,
         "dispatch_strategy": dispatch_strategy,
         "dispatch": dispatch,
-        # the default comes from each rank's environment: ranks that read different ones disagree
-        "ranks_per_node": ranks_per_node if ranks_per_node is not None or dispatch == "flat" else _env_rpn(),
+        "ranks_per_node": _nodes(mesh, ep, ranks_per_node, dispatch),  # as resolved, or why not: agreed
         "chunks": chunks,
         "mesh": tuple(mesh.shape),
     }
@@ -147,13 +154,17 @@ def parallelize_moe(
             raise ValueError(f"MoE layer {name!r} is already parallelised")
     ep_size = mesh.size(ep_dim)
     etp_size = mesh.size(etp_dim) if etp_dim is not None else 1
-    ranks_per_node = resolve_ranks_per_node(ranks_per_node, ep_size)
+    ranks_per_node = options["ranks_per_node"]
+    if isinstance(ranks_per_node, str):
+        raise ValueError(ranks_per_node)
     if dispatch == "auto":
         multi_node = ranks_per_node < ep_size
-        dispatch = "hierarchical" if multi_node and etp is None and not static_splits else "flat"
-    if dispatch == "hierarchical" and (etp is not None or static_splits):
-        what = f"etp={etp!r}" if etp is not None else "static_splits=True"
-        raise ValueError(f"dispatch='hierarchical' supports neither etp nor static_splits; got {what}")
+        dispatch = "hierarchical" if multi_node and not static_splits else "flat"
+    if dispatch == "hierarchical" and static_splits:
+        raise ValueError(
+            "dispatch='hierarchical' has no static path (the pairs each node receives follow the routing, so "
+            "its count exchange stays); got static_splits=True: use dispatch='flat' or 'auto'"
+        )
     for name, layer in layers:
         cfg = layer.config
         if cfg.num_experts % ep_size:
@@ -190,11 +201,12 @@ def parallelize_moe(
             setattr(ex, wname, nn.Parameter(shard, requires_grad=w.requires_grad))
         if groups is not None and chunks > 1:
             dispatcher = ChunkedHierarchicalDispatcher(
-                mesh, layer.config.num_experts, chunks=chunks, ranks_per_node=ranks_per_node, groups=groups, ep=ep
-            )
+                mesh, layer.config.num_experts, chunks=chunks, ranks_per_node=ranks_per_node, groups=groups, ep=ep,
+                etp=etp,
+            )  # fmt: skip
         elif groups is not None:
             dispatcher = HierarchicalDispatcher(
-                mesh, layer.config.num_experts, ranks_per_node=ranks_per_node, groups=groups, ep=ep,
+                mesh, layer.config.num_experts, ranks_per_node=ranks_per_node, groups=groups, ep=ep, etp=etp,
                 strategy=dispatch_strategy,
             )  # fmt: skip
         elif chunks > 1:

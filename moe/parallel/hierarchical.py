@@ -7,15 +7,17 @@ Legend: W ranks in the expert-parallel ("ep") group, laid out as N nodes x P ran
 K slots per token, R (token, node) pairs this rank receives.
 
 A forward:
-1. one count exchange over the whole ep group (so a failure notice reaches every rank, in the
-   shape of the flat one: `Agreement.relay` meets it with -1 counts): each rank tells every
-   rank of node n how many of its tokens choose at least one expert of node n.
+1. one count exchange over the whole ep group, and one host read: each rank tells every rank
+   of node n how many of its tokens choose at least one expert of node n, and how many of
+   its slots go to each expert of node n (per chunk, when the exchange between nodes runs in
+   chunks). That gives every split of the forward, inside the node too; a failure notice
+   (`Agreement.relay`, -1 counts) reaches every rank in it.
 2. stage 1, over the "node" group (local rank l of every node): each (token, destination node)
    pair goes once to local rank l of that node, the token vector with the gates of that node's
    slots beside it (one differentiable all-to-all), and the node-local expert ids of those
    slots (a small int64 one).
 3. stage 2, inside the node (the "local" group): the received pairs are routed like tokens of a
-   flat dispatcher over the node's P ranks (`dispatch` / `combine`, one row per (pair, slot)),
+   flat dispatcher over the node's P ranks (`send_rows` / `combine`, one row per (pair, slot)),
    the experts run, and `unpermute` sums each pair's gate-weighted outputs: the node's partial.
 4. stage 1 reversed: one vector per (token, node) goes home, where the partials are added.
 
@@ -27,6 +29,7 @@ sent to other nodes only.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,23 +39,40 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..kernels import permute, unpermute
 from ..layer import MoE
 from .all_to_all import all_to_all
-from .dispatch import combine, dispatch, raise_if_peers_failed, send_key
+from .dispatch import combine, raise_if_peers_failed, send_key, send_rows
 from .flat import FlatDispatcher
 
 __all__ = ["HierarchicalDispatcher", "node_groups", "resolve_ranks_per_node"]
 
 
-def resolve_ranks_per_node(ranks_per_node: int | None, ep_size: int) -> int:
-    """``ranks_per_node`` checked against the ep size; None: the environment's
-    ``LOCAL_WORLD_SIZE`` (capped at the ep size: a group inside one node), else the whole group."""
+def resolve_ranks_per_node(ranks_per_node: int | None, ep_ranks: list[int]) -> int:
+    """``ranks_per_node`` checked against the ep group (its members' global ranks, in ep rank
+    order). None: found from the environment's ``LOCAL_WORLD_SIZE`` L, where global rank g is
+    on node g // L (torchrun's numbering): the ep ranks that share ep rank 0's node, so a
+    layout with tp or other dimensions inside the node counts only the ep ranks there. The ep
+    group must then be whole nodes of consecutive ep ranks. Without ``LOCAL_WORLD_SIZE``, the
+    whole group is one node."""
+    ep_size = len(ep_ranks)
     if ranks_per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
             return ep_size
         try:
-            ranks_per_node = min(int(env), ep_size)
+            local = int(env)
         except ValueError:
             raise ValueError(f"LOCAL_WORLD_SIZE must be an int (ranks_per_node's default), got {env!r}") from None
+        if local < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be positive (ranks_per_node's default), got {local}")
+        nodes = [g // local for g in ep_ranks]
+        ranks_per_node = nodes.count(nodes[0])
+        blocks = [nodes[i : i + ranks_per_node] for i in range(0, ep_size, ranks_per_node)]
+        if any(len(set(b)) != 1 or len(b) != ranks_per_node for b in blocks) or len({b[0] for b in blocks}) != len(
+            blocks
+        ):
+            raise ValueError(
+                f"the ep group's ranks {ep_ranks} are not whole nodes of consecutive ep ranks (LOCAL_WORLD_SIZE="
+                f"{local} puts them on nodes {nodes}): pass ranks_per_node, or use dispatch='flat'"
+            )
     if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
     if ep_size % ranks_per_node:
@@ -70,10 +90,28 @@ def node_groups(mesh: DeviceMesh, ep: str, ranks_per_node: int) -> tuple[object,
     return split.get_group(f"{ep}_node"), split.get_group(f"{ep}_local")
 
 
+@dataclass(frozen=True)
+class Pairs:
+    """What a forward sends (`HierarchicalDispatcher.pairs`): the token of each pair (S,);
+    pairs sent to (received from) each node, (N,) on the host; each pair's row, its token's
+    vector and its gates for that node's slots (S, D + K); the node-local expert of each
+    slot there, -1 elsewhere (S, K); and per chunk, the rows sent to (received from) each
+    rank of the node for each of its experts inside the node, (P, Ep) on the host."""
+
+    pair_token: Tensor
+    send: list[int]
+    recv: list[int]
+    rows_SX: Tensor
+    local_SK: Tensor
+    node_send: list[list[list[int]]]
+    node_recv: list[list[list[int]]]
+
+
 class HierarchicalDispatcher(FlatDispatcher):
     """The two-level dispatcher (module docstring), set by ``parallelize_moe(...,
     dispatch="hierarchical")``. Everything but the row exchange is the flat dispatcher's
-    (input checks, failure agreement, global BASE); no etp and no static splits.
+    (input checks, failure agreement, global BASE, etp's token gather and partial sums); no
+    static splits (the pairs per node follow the routing, so the count exchange stays).
 
     ``last_internode_rows``: the (token, node) pairs this rank sent to other nodes in the last
     forward (each one token vector out and one back), or None before any."""
@@ -86,69 +124,108 @@ class HierarchicalDispatcher(FlatDispatcher):
         ranks_per_node: int,
         groups: tuple[object, object],
         ep: str = "ep",
+        etp: str | None = None,
         strategy: str = "auto",
+        chunks: int = 1,
     ) -> None:
-        super().__init__(mesh, num_experts, ep=ep, strategy=strategy)
+        super().__init__(mesh, num_experts, ep=ep, etp=etp, strategy=strategy)
         self.ranks_per_node = ranks_per_node
         self.num_nodes = self.ep_size // ranks_per_node
+        self.chunks = chunks
+        # the count exchange (`pairs`): per destination node, its pairs and its slots by (chunk, expert)
+        self.agreement.count_width = 1 + chunks * num_experts // self.num_nodes
         self.node_group, self.local_group = groups
         rank = dist.get_rank(self.ep_group)
         self.node, self.local_rank = divmod(rank, ranks_per_node)
         self.last_internode_rows: int | None = None
 
     def __call__(self, layer: MoE, x_TD: Tensor, routing, gates_TK: Tensor) -> Tensor:
-        pair_token, send, recv, rows_SX, local_SK = self.pairs(x_TD, routing, gates_TK)
+        plan = self.pairs(x_TD, routing, gates_TK)
         num_tokens, dim = x_TD.shape
         k = routing.expert_idx.shape[1]
         per_node = self.num_experts // self.num_nodes
-        rows_RX = all_to_all(rows_SX, recv, send, self.node_group)
-        local_RK = all_to_all(local_SK.reshape(-1), [n * k for n in recv], [n * k for n in send], self.node_group)
+        rows_RX = all_to_all(plan.rows_SX, plan.recv, plan.send, self.node_group)
+        local_RK = all_to_all(
+            plan.local_SK.reshape(-1), [n * k for n in plan.recv], [n * k for n in plan.send], self.node_group
+        )
         x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:]
 
         # stage 2: the received pairs over the node's ranks, as a flat dispatcher routes tokens
         cfg = layer.config
+        send_c, recv_c = plan.node_send[0], plan.node_recv[0]
         keys = send_key(local_RK.view(-1, k), per_node, self.ranks_per_node, self.strategy)
-        xs_MD, info = permute(x_RD, keys, num_experts=per_node, backend=cfg.backend)
-        x_local, counts_local, sent_info = dispatch(xs_MD, info.counts, self.local_group, strategy=self.strategy)
+        rows = sum(map(sum, send_c))
+        xs_MD, info = permute(x_RD, keys, num_experts=per_node, backend=cfg.backend, num_rows=rows)
+        x_local, counts_local, sent_info = send_rows(xs_MD, send_c, recv_c, self.local_group, strategy=self.strategy)
         ys_MD = combine(layer.experts(x_local, counts_local), sent_info)
         partial_RD = unpermute(ys_MD, info, g_RK, backend=cfg.backend)  # one sum per (token, node)
 
         # stage 1 back: each node's partial goes home, where they are added
-        partial_SD = all_to_all(partial_RD, send, recv, self.node_group)
-        return x_TD.new_zeros(num_tokens, dim).index_add(0, pair_token, partial_SD)
+        partial_SD = all_to_all(partial_RD, plan.send, plan.recv, self.node_group)
+        return x_TD.new_zeros(num_tokens, dim).index_add(0, plan.pair_token, partial_SD)
 
-    def pairs(self, x_TD: Tensor, routing, gates_TK: Tensor):
-        """The (token, node) pairs this rank sends, sorted by node then token, after the count
-        exchange: (pair_token (S,), send (N,) pairs to each node, recv (N,) pairs from each
-        node, rows_SX (S, D + K) each pair's token and its gates for that node's slots,
-        local_SK (S, K) the node-local expert of each slot there, -1 elsewhere)."""
+    def pairs(self, x_TD: Tensor, routing, gates_TK: Tensor) -> Pairs:
+        """The (token, node) pairs this rank sends, sorted by node then token, and every split
+        of the forward on the host, from one count exchange over the ep group and one host read.
+
+        Each rank sends every rank of node n the pairs it has for node n and, for each of the
+        ``chunks`` of them (`moe.parallel.chunked.cut`), its slots per expert of node n.
+        So rank l of node n knows what it receives from each node (the pairs of local rank l of
+        every node) and, summing over the nodes, the slots per expert it relays inside the node
+        and those it is relayed."""
         self.agreement.start([])  # the count exchange below is the forward's last status collective
-        num_tokens = x_TD.shape[0]
-        per_node, per_rank = self.num_experts // self.num_nodes, self.num_experts // self.ep_size
+        num_tokens, k = routing.expert_idx.shape
+        device, N, P, chunks = x_TD.device, self.num_nodes, self.ranks_per_node, self.chunks
+        per_node = self.num_experts // N
+        per_rank = per_node // P
         idx_TK = routing.expert_idx
-        node_TK = torch.where(idx_TK >= 0, torch.div(idx_TK, per_node, rounding_mode="floor"), -1)
-        # pairs (token, node) with at least one slot on the node, sorted by node then token
-        hit_NT = torch.zeros(self.num_nodes + 1, num_tokens, dtype=torch.bool, device=x_TD.device)
-        tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand_as(node_TK)
-        hit_NT[node_TK.where(node_TK >= 0, self.num_nodes), tokens_TK] = True  # dropped slots: the extra row
-        hit_NT = hit_NT[: self.num_nodes]
-        pair_node, pair_token = hit_NT.nonzero(as_tuple=True)  # (S,) each; a host sync
+        node_TK = torch.where(idx_TK >= 0, torch.div(idx_TK, per_node, rounding_mode="floor"), N)  # dropped: N
+        # pairs (token, node) with at least one slot on the node; dropped slots mark the extra row
+        hit_NT = torch.zeros(N + 1, num_tokens, dtype=torch.bool, device=device)
+        tokens_TK = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(node_TK)
+        hit_NT[node_TK, tokens_TK] = True
+        hit_NT = hit_NT[:N]
         pairs_N = hit_NT.sum(dim=1)
+        # each slot's chunk: that of its pair, the j-th of the n to its node, is (C (j + 1) - 1) // n
+        j_NT = hit_NT.cumsum(dim=1) - 1
+        kept = node_TK < N
+        node_k = node_TK.where(kept, 0)
+        j_TK, n_TK = j_NT[node_k, tokens_TK], pairs_N[node_k]
+        chunk_TK = torch.div(chunks * (j_TK + 1) - 1, n_TK.clamp(min=1), rounding_mode="floor")
+        width = 1 + chunks * per_node  # per destination node: its pairs, then slots by (chunk, expert)
+        slot_TK = node_k * width + 1 + chunk_TK * per_node + idx_TK - node_k * per_node
+        sent_NX = torch.zeros(N * width + 1, dtype=torch.int64, device=device)
+        sent_NX.index_add_(0, slot_TK.where(kept, N * width).reshape(-1), torch.ones_like(slot_TK).reshape(-1))
+        sent_NX = sent_NX[: N * width].view(N, width)
+        sent_NX[:, 0] = pairs_N
 
-        # the count exchange, over the whole ep group in the flat one's shape (El values per rank)
-        sent_WL = torch.zeros(self.ep_size, per_rank, dtype=torch.int64, device=x_TD.device)
-        sent_WL[:, 0] = pairs_N.repeat_interleave(self.ranks_per_node)
-        got_WL = all_to_all(sent_WL.view(-1), [per_rank] * self.ep_size, [per_rank] * self.ep_size, self.ep_group)
-        got_WL = got_WL.view(self.ep_size, per_rank)
-        send = pairs_N.tolist()
-        got = got_WL.tolist()  # host sync: the sizes
+        # the count exchange, over the whole ep group (`Agreement.relay` meets it with -1s)
+        sent_WX = sent_NX.repeat_interleave(P, dim=0)
+        got_WX = all_to_all(sent_WX.view(-1), [width] * self.ep_size, [width] * self.ep_size, self.ep_group)
+        table = torch.cat([got_WX, sent_NX[:, 0]]).tolist()  # the one host sync: every split
+        got = [table[w * width : (w + 1) * width] for w in range(self.ep_size)]
         raise_if_peers_failed([min(row) for row in got], self.ep_group, "dispatch")
-        recv = [got[n * self.ranks_per_node + self.local_rank][0] for n in range(self.num_nodes)]
+        send = table[self.ep_size * width :]
+        recv = [got[n * P + self.local_rank][0] for n in range(N)]
         self.last_internode_rows = sum(send) - send[self.node]
+        # per chunk, slots of node-local expert e relayed by local rank l: summed over the nodes
+        relayed = [
+            [
+                [sum(got[n * P + rank][1 + c * per_node + e] for n in range(N)) for e in range(per_node)]
+                for rank in range(P)
+            ]
+            for c in range(chunks)
+        ]
+        mine = slice(self.local_rank * per_rank, (self.local_rank + 1) * per_rank)
+        node_send = [
+            [row[r * per_rank : (r + 1) * per_rank] for r in range(P)] for row in (c[self.local_rank] for c in relayed)
+        ]
+        node_recv = [[c[rank][mine] for rank in range(P)] for c in relayed]
 
         # stage 1: each pair's vector once, its gates for that node's slots beside it
+        pair_node, pair_token = torch.nonzero_static(hit_NT, size=sum(send)).unbind(1)  # no sync: the size is known
         on_node_SK = node_TK[pair_token] == pair_node.unsqueeze(1)
         local_SK = torch.where(on_node_SK, idx_TK[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         gates_SK = gates_TK[pair_token].masked_fill(~on_node_SK, 0)
         rows_SX = torch.cat([x_TD[pair_token], gates_SK], dim=1)
-        return pair_token, send, recv, rows_SX, local_SK
+        return Pairs(pair_token, send, recv, rows_SX, local_SK, node_send, node_recv)

@@ -6,9 +6,9 @@ K slots per token; S (token, node) pairs this rank sends, R it receives, R_c tho
 As `HierarchicalDispatcher` (same pairs, same count exchange over the ep group), then:
 - chunk c takes pairs ``[n*c // C, n*(c+1) // C)`` of the n this rank sends to each node (and,
   alike, of those it receives from each node), so every chunk's splits follow on the host;
-- the node-local expert ids of every pair travel first, all chunks in one small exchange, and
-  each node's ranks count every chunk's rows per expert and exchange those counts in one go
-  (the host syncs of the unchunked path: the pairs, the ep counts, the node's counts);
+- the count exchange carries every chunk's slots per expert (`HierarchicalDispatcher.pairs`),
+  so each chunk's splits inside the node are on the host after its one read, as unchunked;
+- the node-local expert ids of every pair travel first, all chunks in one small exchange;
 - chunk c+1's pairs cross between nodes while chunk c goes through the node (its exchange
   inside the node, the experts, the way back) and chunk c's partial sums cross back while
   chunk c+1's are computed. The exchanges between nodes are `moe.parallel.async_all_to_all`
@@ -36,34 +36,23 @@ class ChunkedHierarchicalDispatcher(HierarchicalDispatcher):
     """``parallelize_moe(..., dispatch="hierarchical", chunks=C)`` for C > 1 (module docstring)."""
 
     def __init__(self, mesh, num_experts: int, *, chunks: int, **options) -> None:
-        super().__init__(mesh, num_experts, strategy="resort", **options)
-        self.chunks = chunks
+        super().__init__(mesh, num_experts, strategy="resort", chunks=chunks, **options)
 
     def __call__(self, layer: MoE, x_TD: Tensor, routing, gates_TK: Tensor) -> Tensor:
-        pair_token, send, recv, rows_SX, local_SK = self.pairs(x_TD, routing, gates_TK)
-        C, P, device = self.chunks, self.ranks_per_node, x_TD.device
+        plan = self.pairs(x_TD, routing, gates_TK)
+        send, recv, C, device = plan.send, plan.recv, self.chunks, x_TD.device
         num_tokens, dim = x_TD.shape
-        k = local_SK.shape[1]
-        per_node = self.num_experts // self.num_nodes
-        per_rank = per_node // P
+        k = plan.local_SK.shape[1]
+        per_node, P = self.num_experts // self.num_nodes, self.ranks_per_node
         # every pair's ids at once, then laid out chunk by chunk on both sides
-        local_RK = all_to_all(local_SK.reshape(-1), [n * k for n in recv], [n * k for n in send], self.node_group)
+        local_RK = all_to_all(plan.local_SK.reshape(-1), [n * k for n in recv], [n * k for n in send], self.node_group)
         by_chunk_S, back_S = row_ranges(chunk_major(send, C), device)
         by_chunk_R, _ = row_ranges(chunk_major(recv, C), device)
-        rows_SX = rows_SX.index_select(0, by_chunk_S)
+        rows_SX = plan.rows_SX.index_select(0, by_chunk_S)
         local_RK = local_RK.view(-1, k).index_select(0, by_chunk_R)
         sent_rows = [sum(cut(n, C)[c] for n in send) for c in range(C)]
         got_rows = [sum(cut(n, C)[c] for n in recv) for c in range(C)]
-
-        # each chunk's rows per node-local expert, exchanged inside the node for every chunk at once
-        chunk_R = torch.repeat_interleave(torch.arange(C), torch.tensor(got_rows), output_size=sum(got_rows))
-        slot_RK = chunk_R.to(device).unsqueeze(1) * (per_node + 1) + local_RK.where(local_RK >= 0, per_node)
-        counts_CE = torch.zeros(C * (per_node + 1), dtype=torch.int64, device=device)
-        counts_CE.index_add_(0, slot_RK.reshape(-1), torch.ones_like(slot_RK.reshape(-1)))
-        counts_PCL = counts_CE.view(C, per_node + 1)[:, :per_node].reshape(C, P, per_rank).transpose(0, 1)
-        got_PCL = all_to_all(counts_PCL.reshape(-1), [C * per_rank] * P, [C * per_rank] * P, self.local_group)
-        send_CPL = counts_PCL.transpose(0, 1).tolist()  # host syncs: the node's counts, as unchunked
-        recv_CPL = got_PCL.view(P, C, per_rank).transpose(0, 1).tolist()
+        send_CPL, recv_CPL = plan.node_send, plan.node_recv  # each chunk's rows per expert inside the node
 
         cfg = layer.config
         offsets_S = [sum(sent_rows[:c]) for c in range(C + 1)]
@@ -86,7 +75,7 @@ class ChunkedHierarchicalDispatcher(HierarchicalDispatcher):
             sent, got = [sum(r) for r in send_c], [sum(r) for r in recv_c]
             x_recv = all_to_all(xs_MD, got, sent, self.local_group)
             counts_local = torch.tensor([sum(col) for col in zip(*recv_c, strict=True)], dtype=torch.int64)
-            if per_rank > 1 and P > 1:  # received (source, expert) -> (expert, source) and back
+            if per_node > P > 1:  # received (source, expert) -> (expert, source) and back
                 order, inverse = expert_major_order(recv_c, device)
                 y_recv = layer.experts(x_recv.index_select(0, order), counts_local).index_select(0, inverse)
             else:
@@ -96,4 +85,4 @@ class ChunkedHierarchicalDispatcher(HierarchicalDispatcher):
             coming.append(start(partial_RD, back_links[c]))  # in flight while the next chunk is computed
         partial_SD = torch.cat([wait(p, link) for p, link in zip(coming, back_links, strict=True)])
         partial_SD = partial_SD.index_select(0, back_S)
-        return x_TD.new_zeros(num_tokens, dim).index_add(0, pair_token, partial_SD)
+        return x_TD.new_zeros(num_tokens, dim).index_add(0, plan.pair_token, partial_SD)

@@ -65,10 +65,6 @@ class Layout:
             raise ValueError(
                 f"dispatch={self.dispatch} and chunks={self.chunks} shape the expert-parallel exchange, but ep=1"
             )
-        if self.dispatch == "hierarchical" and self.etp:
-            raise ValueError(
-                "dispatch=hierarchical does not shard experts over tp (parallelize_moe refuses etp with it)"
-            )
         if (self.etp or self.loss_parallel) and self.tp == 1:
             raise ValueError(f"etp and loss_parallel shard over tp, but tp=1 (etp={self.etp})")
         if self.loss_parallel and self.pp > 1:

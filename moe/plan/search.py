@@ -117,13 +117,13 @@ def _divisors(n: int) -> list[int]:
 CHUNKS = (1, 2, 4)
 
 
-def _exchanges(ep: int, tp: int, gpus_per_node: int, etp: bool) -> list[tuple[str, int]]:
+def _exchanges(ep: int, tp: int, gpus_per_node: int) -> list[tuple[str, int]]:
     """(dispatch, chunks) worth trying: none without ep; the two-level dispatcher only when the
-    ep group spans nodes (inside one it is the flat one plus a stage) and without etp."""
+    ep group spans nodes (inside one it is the flat one plus a stage)."""
     if ep == 1:
         return [("flat", 1)]
     local = max(1, gpus_per_node // tp)
-    two_level = ep > local and ep % local == 0 and not etp
+    two_level = ep > local and ep % local == 0
     dispatches = ("flat", "hierarchical") if two_level else ("flat",)
     return [(d, c) for d in dispatches for c in CHUNKS]
 
@@ -145,7 +145,7 @@ def candidates(cfg: LlamaConfig, gpus: int, gpus_per_node: int, precision: str, 
                 for ep, etp, vpp, rc, rs in itertools.product(eps, (False, True), (1, 2), (False, True), (True, False)):
                     if (etp and (tp == 1 or not moe)) or (vpp == 2 and (pp == 1 or 2 * pp > cfg.n_layers)):
                         continue
-                    for dispatch, chunks in _exchanges(ep, tp, gpus_per_node, etp):
+                    for dispatch, chunks in _exchanges(ep, tp, gpus_per_node):
                         yield Layout(
                             tp=tp, pp=pp, vpp=vpp, schedule="interleaved_1f1b" if vpp == 2 else "1f1b", ep=ep,
                             etp=etp, dp_shard=shard, dp_replicate=rep, recompute=rc, precision=precision,

@@ -87,7 +87,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each block (inductor; an expert-parallel MoE layer stays eager)
     dtype: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; bf16 / fp32 force it
     dispatch: str = "flat"  # expert-parallel dispatch: flat, hierarchical (two-level over nodes) or auto
-    ranks_per_node: int | None = None  # the ep group's ranks per node (None: LOCAL_WORLD_SIZE)
+    ranks_per_node: int | None = None  # the ep group's ranks per node (None: from LOCAL_WORLD_SIZE)
     reshard: int = 1  # FSDP2 reshard_after_forward; 0 (plan's reshard=0) keeps each block gathered until backward
     ep_chunks: int = 1  # the expert-parallel exchange in this many chunks, overlapping the experts' compute
     grad_accum: int = 1  # without pipeline stages: backward passes per step over slices of each rank's rows

@@ -108,16 +108,23 @@ def check_dedup_saves(mesh) -> None:
 
 
 def check_no_new_host_reads(mesh) -> None:
-    """In chunks the two-level dispatcher reads back no more than in one piece (the pairs, the
-    ep counts, the node's counts), forward and backward."""
+    """The two-level dispatcher, in one piece or in chunks, reads its splits back from the
+    device once per forward (after its one count exchange), and in all no more than the flat
+    one (the other reads are the router's); nothing in the backward."""
     x = tokens_of("topk", dist.get_rank(), 7).requires_grad_()
     reads = {}
-    for chunks in (1, 3):
-        layer = parallelize_moe(build("topk"), mesh, dispatch="hierarchical", ranks_per_node=PER_NODE, chunks=chunks)
+    for dispatch, chunks in (("flat", 1), ("hierarchical", 1), ("hierarchical", 3)):
+        layer = parallelize_moe(build("topk"), mesh, dispatch=dispatch, ranks_per_node=PER_NODE, chunks=chunks)
         with HostReads(x, *layer.parameters()) as seen:
-            (layer(x) * torch.linspace(-1, 1, 8)).sum().backward()
-        reads[chunks] = seen.reads
-    assert len(reads[3]) <= len(reads[1]) and set(reads[3]) <= set(reads[1]), reads
+            y = layer(x)
+        with HostReads(x, *layer.parameters()) as seen_back:
+            (y * torch.linspace(-1, 1, 8)).sum().backward()
+        reads[dispatch, chunks] = seen.reads, seen_back.reads
+    flat, _ = reads["flat", 1]
+    for key in (("hierarchical", 1), ("hierarchical", 3)):
+        forward, backward = reads[key]
+        assert forward.count("Tensor.tolist") == 1 and not backward, (key, reads)  # the splits, once
+        assert len(forward) <= len(flat) and set(forward) <= set(flat), (key, reads)  # the rest: the router's
 
 
 def check_failing_rank(mesh, chunks: int = 1) -> None:
@@ -133,7 +140,7 @@ def check_bad_arguments(mesh) -> None:
         parallelize_moe(build("topk"), mesh, dispatch="hierarchical", ranks_per_node=0)
     with pytest.raises(ValueError, match="dispatch must be one of"):
         parallelize_moe(build("topk"), mesh, dispatch="tree")
-    with pytest.raises(ValueError, match="supports neither etp nor static_splits; got static_splits"):
+    with pytest.raises(ValueError, match="has no static path .* got static_splits=True"):
         parallelize_moe(build("base"), mesh, dispatch="hierarchical", ranks_per_node=2, static_splits=True)
     auto = parallelize_moe(build("topk"), mesh, dispatch="auto", ranks_per_node=PER_NODE)
     assert type(auto.dispatcher) is HierarchicalDispatcher
@@ -146,6 +153,17 @@ def check_bad_arguments(mesh) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = "4" if dist.get_rank() == 3 else "2"  # rank 3 would see one node
     with pytest.raises(ValueError, match="disagree"):
         parallelize_moe(build("topk"), mesh, dispatch="auto")
+    # ep outermost: the ep group {0, 2} (or {1, 3}) has one rank on each node of 2 ranks
+    ep_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    strided = parallelize_moe(build("topk"), ep_dp, dispatch="auto")
+    assert type(strided.dispatcher) is HierarchicalDispatcher and strided.dispatcher.ranks_per_node == 1
+    os.environ["LOCAL_WORLD_SIZE"] = "3"  # ranks 0-2 and 3: {0, 2} shares a node, {1, 3} does not
+    with pytest.raises(ValueError, match="disagree"):
+        parallelize_moe(build("topk"), ep_dp, dispatch="hierarchical")
+    os.environ["LOCAL_WORLD_SIZE"] = "3"  # ranks 0-2 on one node, 3 on another: ep rank 3 alone
+    with pytest.raises(ValueError, match=r"not whole nodes of consecutive ep ranks .* nodes \[0, 0, 0, 1\]"):
+        parallelize_moe(build("topk"), mesh, dispatch="hierarchical")
     del os.environ["LOCAL_WORLD_SIZE"]
 
 
@@ -170,9 +188,9 @@ def worker(rank: int, world: int, store: str) -> None:
         dp_ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))  # ep groups {0, 1}, {2, 3}
         check_same_as_flat(dp_ep, "topk", [4, 7, 0, 5], ranks_per_node=1)  # two nodes of one rank
         check_same_as_flat(dp_ep["ep"], "base", [6, 3, 5, 0], ranks_per_node=1)  # a slice, as parallelize_llama's
-        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
-        with pytest.raises(ValueError, match="supports neither etp nor static_splits; got etp='etp'"):
-            parallelize_moe(build("topk"), mesh2, etp="etp", dispatch="hierarchical", ranks_per_node=1)
+        ep_etp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))  # ep groups {0, 2}, {1, 3}
+        check_same_as_flat(ep_etp, "topk", [5, 3, 0, 6], ranks_per_node=1, etp="etp")  # experts sharded over F
+        check_same_as_flat(ep_etp, "base-global", [4, 6, 2, 0], ranks_per_node=1, etp="etp", global_base=True, chunks=2)
     finally:
         dist.destroy_process_group()
 

@@ -113,6 +113,11 @@ def four_rank_layouts(rank, world, store, which):
         cfg = L.config(router)
         if "tp_ep" in which:
             L.run_parallel(cfg, _mesh((2, 2), ("dp_shard", "tp")), f"tp=2 x ep=2 {router}", ep=2)
+            if router == "topk":  # the two-level dispatch with the experts sharded over tp (two nodes of one ep rank)
+                L.run_parallel(
+                    cfg, _mesh((2, 2), ("dp_shard", "tp")), "tp=2 etp x ep=2 hierarchical", ep=2, etp=True,
+                    dispatch="hierarchical", ranks_per_node=1,
+                )  # fmt: skip
         if "dp_tp" in which:
             L.run_parallel(cfg, _mesh((2, 2), ("dp_shard", "tp")), f"dp_shard=2 x tp=2 {router}")
         if "ep_d_sharded" in which and router == "topk":  # one expert per ep rank, held by 2 ranks:

@@ -92,8 +92,7 @@ def test_layout_dispatch_and_chunks():
     assert (lay.dispatch, lay.chunks) == ("hierarchical", 2) and "dispatch=hierarchical,chunks=2" in lay.short()
     with pytest.raises(ValueError, match="but ep=1"):
         Layout(dispatch="hierarchical")
-    with pytest.raises(ValueError, match="does not shard experts over tp"):
-        Layout(tp=2, ep=2, dp_shard=2, etp=True, dispatch="hierarchical")
+    assert Layout(tp=2, ep=2, dp_shard=2, etp=True, dispatch="hierarchical").etp  # experts over tp, two-level
     with pytest.raises(ValueError, match="dispatch must be one of"):
         Layout(ep=2, dp_shard=2, dispatch="ring")
 
@@ -109,7 +108,7 @@ def test_two_level_needs_whole_nodes():
 def test_search_considers_dispatch_and_chunks():
     cfg = LlamaConfig.from_name("deepseek-v3-like")
     lays = [lay for lay in candidates(cfg, 128, 8, "fp8") if lay.ep > 1]
-    assert not any(lay.etp and lay.dispatch == "hierarchical" for lay in lays)
+    assert any(lay.etp and lay.dispatch == "hierarchical" for lay in lays)  # experts over tp, two-level
     seen = {(lay.ep * lay.tp > 8, lay.dispatch, lay.chunks) for lay in lays}
     assert {(True, "hierarchical", c) for c in (1, 2, 4)} <= seen and (True, "flat", 1) in seen
     assert not any(spans is False and d == "hierarchical" for spans, d, _ in seen)  # one node: flat only
