@@ -139,7 +139,8 @@ RUNS = [
         "Megatron-Bridge Llama 3 70B, 64 H100, fp8, TP4 PP8 VP5", LLAMA3_70B, "h100",
         Layout(tp=4, pp=8, vpp=5, schedule="interleaved_1f1b", dp_shard=2, precision="fp8", reshard=False),
         8192, 128, 1619.0, 727.0,
-        "Megatron-Bridge docs/performance-summary.md, 25.09 container, DGX-H100: FP8 current scaling, GBS 128, "
+        "github.com/NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md (since moved to "
+        "performance-summary-archive.md), 25.09 container, DGX-H100: FP8 current scaling, GBS 128, "
         "MBS 1, seq 8192, TP4 PP8 VP5 CP1 (scripts/performance/configs/llama3/llama3_70b_llm_pretrain.yaml)",
         split="held-out",
     ),
@@ -148,7 +149,8 @@ RUNS = [
         Layout(pp=4, vpp=8, schedule="interleaved_1f1b", ep=64, dp_shard=64, recompute=True, reshard=False,
                dispatch="hierarchical"),
         4096, 512, 1002.0, 250.0,
-        "NeMo AutoModel docs/performance-summary.md, DGX-H100 BF16: GBS 512, local batch 8, GA 1, seq 4096, "
+        "docs.nvidia.com/nemo/automodel/nightly/performance-summary.html (github.com/NVIDIA-NeMo/Automodel, "
+        "docs/performance-summary.md), DGX-H100 BF16: GBS 512, local batch 8, GA 1, seq 4096, "
         "PP4 VP8 EP64 FSDP64, 8.18 s per step (examples/llm_benchmark/deepseek/deepseek_v3_te_deepep.yaml: "
         "interleaved 1F1B, activation checkpointing, reshard_after_forward false, DeepEP, fake balanced gate)",
         split="held-out",
