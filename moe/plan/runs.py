@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import MoEConfig
 from ..models.llama import LlamaConfig
 from .layout import Layout
 
@@ -63,6 +64,21 @@ NEMOTRON4_340B = LlamaConfig(
 GPT_1T = LlamaConfig(
     dim=25600, n_layers=128, n_heads=160, ffn_hidden_dim=68266, vocab_size=51200, max_seq_len=2048,
 )  # fmt: skip
+
+# Llama 3 70B (its model card): 80 layers, dim 8192, 64 heads, 8 KV heads, SwiGLU 28672, vocabulary 128256
+LLAMA3_70B = LlamaConfig(
+    dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, vocab_size=128256, rope_theta=5e5,
+    max_seq_len=8192,
+)  # fmt: skip
+# DeepSeek-V3 under NeMo AutoModel's benchmark gate (fake_balanced_gate): token t takes experts
+# 8t .. 8t + 7 (mod 256), eight neighbours, which at 4 experts a rank lie in one node of the
+# 8-node ep group: node-limited routing with one node kept (topk_groups 1 of the 8 node groups)
+DSV3_ONE_NODE = LlamaConfig.from_name(
+    "deepseek-v3-like",
+    moe=MoEConfig.from_name(
+        "deepseek-v3", router_options=dict(score_func="sigmoid", n_groups=8, topk_groups=1, bias_update_rate=0.001)
+    ),
+)
 
 RUNS = [
     PublishedRun(
@@ -118,5 +134,25 @@ RUNS = [
         "Narayanan et al. 2021 (Megatron-LM), Table 1: 163 TFLOP/s/GPU (502 PFLOP/s on 3072 A100), batch 3072, "
         "activation recomputation; their FLOPs convention converted to tokens/s; 2 stages per rank assumed",
         split="held-out", gpu_spec=A100_SPEC,
+    ),
+    PublishedRun(
+        "Megatron-Bridge Llama 3 70B, 64 H100, fp8, TP4 PP8 VP5", LLAMA3_70B, "h100",
+        Layout(tp=4, pp=8, vpp=5, schedule="interleaved_1f1b", dp_shard=2, precision="fp8", reshard=False),
+        8192, 128, 1619.0, 727.0,
+        "github.com/NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md (since moved to "
+        "performance-summary-archive.md), 25.09 container, DGX-H100: FP8 current scaling, GBS 128, "
+        "MBS 1, seq 8192, TP4 PP8 VP5 CP1 (scripts/performance/configs/llama3/llama3_70b_llm_pretrain.yaml)",
+        split="held-out",
+    ),
+    PublishedRun(
+        "NeMo AutoModel DeepSeek-V3, 256 H100, bf16, PP4 EP64 (FSDP2, DeepEP)", DSV3_ONE_NODE, "h100",
+        Layout(pp=4, vpp=8, schedule="interleaved_1f1b", ep=64, dp_shard=64, recompute=True, reshard=False,
+               dispatch="hierarchical"),
+        4096, 512, 1002.0, 250.0,
+        "docs.nvidia.com/nemo/automodel/nightly/performance-summary.html (github.com/NVIDIA-NeMo/Automodel, "
+        "docs/performance-summary.md), DGX-H100 BF16: GBS 512, local batch 8, GA 1, seq 4096, "
+        "PP4 VP8 EP64 FSDP64, 8.18 s per step (examples/llm_benchmark/deepseek/deepseek_v3_te_deepep.yaml: "
+        "interleaved 1F1B, activation checkpointing, reshard_after_forward false, DeepEP, fake balanced gate)",
+        split="held-out",
     ),
 ]  # fmt: skip
