@@ -19,6 +19,12 @@ apart), N = W / L nodes the ep group spans, C chunks.
   combine while chunk i + 1's experts do, so of an exchange of time A beside expert GEMMs of
   time G, min(A, G) (C - 1) / C is hidden: the first dispatch and the last combine never are.
   Forward and backward alike (the backward's expert GEMMs take twice the forward's).
+- latency: every all-to-all also costs a fixed time, `A2A_LATENCY_S` inside a node and across
+  nodes (assumed: small-message NCCL all-to-all times of that order; not measured here). A
+  dispatch (or combine) makes C of them, 2 C under the two-level dispatch (a stage between
+  nodes and one inside each); the latencies count with the bandwidth time in what the overlap
+  can hide. Each forward's count exchange (and the two-level one's expert-id exchange) is on
+  the critical path: `fixed_latency_s`. So at small expert GEMMs more chunks cost more.
 """
 
 from __future__ import annotations
@@ -28,7 +34,18 @@ from math import comb
 from ..models.llama import LlamaConfig
 from .layout import Layout
 
-__all__ = ["ep_layer", "exchange_s", "expected_nodes", "exposed", "node_limit"]
+__all__ = [
+    "A2A_LATENCY_S",
+    "chunk_latency_s",
+    "ep_layer",
+    "exchange_s",
+    "expected_nodes",
+    "exposed",
+    "fixed_latency_s",
+    "node_limit",
+]
+
+A2A_LATENCY_S = {"nvlink": 15e-6, "net": 50e-6}  # one all-to-all's fixed cost, inside a node / across nodes
 
 
 def node_limit(cfg: LlamaConfig, nodes: int) -> int | None:
@@ -65,6 +82,24 @@ def exchange_s(lay: Layout, intra: float, inter: float, nvlink_bw: float, net_bw
     """Seconds of one dispatch (or combine): concurrent under flat, two stages under hierarchical."""
     t_in, t_out = intra / nvlink_bw, inter / net_bw
     return t_in + t_out if lay.dispatch == "hierarchical" else max(t_in, t_out)
+
+
+def chunk_latency_s(lay: Layout, nodes: int) -> float:
+    """The fixed cost of one dispatch's (or combine's) all-to-alls: C of them, over the network
+    when the ep group spans nodes; under the two-level dispatch a stage between nodes and one
+    inside the node per chunk."""
+    if nodes == 1:
+        return lay.chunks * A2A_LATENCY_S["nvlink"]
+    if lay.dispatch == "hierarchical":
+        return lay.chunks * (A2A_LATENCY_S["net"] + A2A_LATENCY_S["nvlink"])
+    return lay.chunks * A2A_LATENCY_S["net"]
+
+
+def fixed_latency_s(lay: Layout, nodes: int) -> float:
+    """Each forward's exchanges no overlap hides: the count exchange over the ep group, and the
+    two-level dispatcher's expert ids between nodes."""
+    hop = A2A_LATENCY_S["net" if nodes > 1 else "nvlink"]
+    return hop * (2 if lay.dispatch == "hierarchical" and nodes > 1 else 1)
 
 
 def exposed(comm_s: float, experts_s: float, chunks: int) -> float:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .base_time import global_base_bytes, global_base_s, uses_global_base
-from .dispatch_time import ep_layer, exchange_s, exposed
+from .dispatch_time import chunk_latency_s, ep_layer, exchange_s, exposed, fixed_latency_s
 from .hardware import EFFICIENCY, GPU, Efficiency
 from .layout import Layout
 from .memory import TrainShape, _kinds, _routed_rows
@@ -112,11 +112,15 @@ def step_time(
         intra, inter = ep_layer(cfg, lay, T, _routed_rows(cfg, T), a, gpn)
         n_a2a = 6 if lay.recompute else 4  # dispatch + combine, forward and backward
         ep_in_layer, ep_out_layer = n_a2a * intra, n_a2a * inter
-        pair_s = 2 * exchange_s(lay, intra, inter, gpu.nvlink_bw * eff.nvlink, gpu.net_bw * eff.net)
+        nodes = lay.ep // min(lay.ep, max(1, gpn // lay.tp))  # the ep group's (its peers are tp ranks apart)
+        one_way = exchange_s(lay, intra, inter, gpu.nvlink_bw * eff.nvlink, gpu.net_bw * eff.net)
+        pair_s = 2 * (one_way + chunk_latency_s(lay, nodes))  # dispatch and combine
         experts_s = _expert_flops(cfg, lay, T) / peak  # one forward of the routed experts
         forwards = 2 if lay.recompute else 1
+        fixed_s = forwards * fixed_latency_s(lay, nodes)
         ep_layer_s = forwards * exposed(pair_s, experts_s, lay.chunks) + exposed(pair_s, 2 * experts_s, lay.chunks)
         ep_hidden_layer_s = (forwards + 1) * pair_s - ep_layer_s
+        ep_layer_s += fixed_s
         if uses_global_base(cfg, lay):  # a solve per forward (a recomputed forward solves again)
             bw = _group_bw(gpu, eff, lay.ep * lay.tp, gpn)
             base_layer_s = forwards * global_base_s(cfg, lay, T, bw, gpu.hbm_bw * eff.hbm)

@@ -11,8 +11,18 @@ import statistics
 import pytest
 
 from moe.models.llama import LlamaConfig
+from moe.plan import dispatch_time
 from moe.plan.calibrate import calibration_rows, fit, main
-from moe.plan.dispatch_time import ep_layer, exchange_s, expected_nodes, exposed, node_limit
+from moe.plan.dispatch_time import (
+    A2A_LATENCY_S,
+    chunk_latency_s,
+    ep_layer,
+    exchange_s,
+    expected_nodes,
+    exposed,
+    fixed_latency_s,
+    node_limit,
+)
 from moe.plan.hardware import EFFICIENCY, GPUS, Efficiency
 from moe.plan.layout import Layout, parse_layout
 from moe.plan.memory import TrainShape
@@ -70,7 +80,7 @@ def test_two_level_stages_run_one_after_the_other():
     assert exchange_s(two, 300.0, 100.0, 100.0, 10.0) == 13.0
 
 
-def test_chunks_hide_what_the_experts_cover():
+def test_chunks_hide_what_the_experts_cover(monkeypatch):
     assert exposed(10.0, 4.0, 1) == 10.0
     assert exposed(10.0, 4.0, 2) == pytest.approx(8.0)  # half the experts' 4 s hide the exchange
     assert exposed(10.0, 4.0, 4) == pytest.approx(7.0)
@@ -84,10 +94,39 @@ def test_chunks_hide_what_the_experts_cover():
     exposed_s = [t.exposed_s["ep_all_to_all"] for t in ep]
     assert exposed_s == sorted(exposed_s, reverse=True) and len(set(exposed_s)) == 4
     total = [t.exposed_s["ep_all_to_all"] + t.overlapped_s["ep_all_to_all_hidden"] for t in ep[1:]]
-    assert total == pytest.approx([total[0]] * 3) and ep[1].overlapped_s["ep_all_to_all_hidden"] == 0  # same bytes
+    assert total == sorted(total) and len(set(total)) == 3  # each chunk adds its collectives' latency
+    assert ep[1].overlapped_s["ep_all_to_all_hidden"] == 0
+    monkeypatch.setattr(dispatch_time, "A2A_LATENCY_S", {"nvlink": 0.0, "net": 0.0})
+    lays = [Layout(pp=16, ep=64, dp_shard=128, precision="fp8", dispatch="hierarchical", chunks=c) for c in (1, 2, 4)]
+    total = [
+        t.exposed_s["ep_all_to_all"] + t.overlapped_s["ep_all_to_all_hidden"]
+        for t in (step_time(cfg, lay, shape, GPUS["h800"]) for lay in lays)
+    ]
+    assert total == pytest.approx([total[0]] * 3)  # without latency: the same bytes, only more of them hidden
     assert ep[1].bytes_per_rank["ep_all_to_all_inter_node"] == pytest.approx(
         ep[0].bytes_per_rank["ep_all_to_all_inter_node"] / 2
     )  # 4 nodes x 7/8 against 8 rows x 56/64
+
+
+def test_more_chunks_cost_more_where_the_experts_hide_little():
+    """Each chunk's all-to-alls cost their latency: with small expert GEMMs (a short sequence of
+    few tokens) more chunks come out slower, with large ones faster."""
+    cfg = LlamaConfig.from_name("deepseek-v3-like")
+
+    def ep_s(seq_len: int, chunks: int) -> float:
+        shape = TrainShape(seq_len=seq_len, global_batch_tokens=2048 * seq_len)
+        lay = Layout(pp=16, ep=64, dp_shard=128, precision="fp8", dispatch="hierarchical", chunks=chunks)
+        return step_time(cfg, lay, shape, GPUS["h800"]).exposed_s["ep_all_to_all"]
+
+    assert ep_s(64, 4) > ep_s(64, 2) > ep_s(64, 1)
+    assert ep_s(4096, 4) < ep_s(4096, 2) < ep_s(4096, 1)
+    lay = Layout(ep=16, dp_shard=16, chunks=2)
+    assert (
+        chunk_latency_s(lay, 2) == 2 * A2A_LATENCY_S["net"] and chunk_latency_s(lay, 1) == 2 * A2A_LATENCY_S["nvlink"]
+    )
+    two = Layout(ep=16, dp_shard=16, dispatch="hierarchical", chunks=2)
+    assert chunk_latency_s(two, 2) == 2 * (A2A_LATENCY_S["net"] + A2A_LATENCY_S["nvlink"])
+    assert fixed_latency_s(two, 2) == 2 * A2A_LATENCY_S["net"] and fixed_latency_s(lay, 2) == A2A_LATENCY_S["net"]
 
 
 def test_layout_dispatch_and_chunks():
