@@ -124,31 +124,55 @@ def _unpermute_backward(ctx, dout_TD):
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
-# The torch path: a gather and a weighted scatter-add with hand-written backwards, every large
+# The torch path: a gather and a weighted combine with hand-written backwards, every large
 # result in `workspace` memory (kept between steps on CPU, where fresh memory page-faults).
+# When every slot is kept (M = T K, known from the shapes) each token's K rows are gathered in
+# slot order and summed by one batched matmul, (T, 1, K) @ (T, K, D), instead of a scatter-add
+# over tokens, which on CPU sorts the indices and, on two threads, stalls when a core is busy
+# (docs/benchmarks.md, "The layer against its peers over a grid of shapes").
+def _sum_slots(rows_MD: Tensor, row_of_slot: Tensor, weights_TK: Tensor, acc: torch.dtype) -> Tensor:
+    """sum_k weights[t, k] * rows[row_of_slot[t K + k]] for every token t, when M = T K."""
+    num_tokens, k = weights_TK.shape
+    gathered = torch.index_select(rows_MD, 0, row_of_slot, out=_empty(row_of_slot.shape[0], rows_MD))
+    out = _empty(num_tokens, rows_MD, acc)
+    torch.bmm(
+        weights_TK.to(acc).view(num_tokens, 1, k),
+        gathered.to(acc).view(num_tokens, k, -1),
+        out=out.view(num_tokens, 1, -1),
+    )
+    return out
+
+
 class _TorchPermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD: Tensor, token: Tensor) -> Tensor:
-        ctx.save_for_backward(token)
-        ctx.num_tokens = x_TD.shape[0]
+    def forward(ctx, x_TD: Tensor, token: Tensor, row_of_slot: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(token, row_of_slot)
+        ctx.num_tokens, ctx.top_k = x_TD.shape[0], top_k
         return torch.index_select(x_TD, 0, token, out=_empty(token.shape[0], x_TD))  # 3x faster than x[idx]
 
     @staticmethod
-    def backward(ctx, dxs_MD: Tensor) -> tuple[Tensor, None]:
-        (token,) = ctx.saved_tensors
+    def backward(ctx, dxs_MD: Tensor) -> tuple[Tensor, None, None, None]:
+        token, row_of_slot = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: index_add, the backward of the plain gather
-            return dxs_MD.new_zeros(ctx.num_tokens, dxs_MD.shape[1]).index_add(0, token, dxs_MD), None
-        return _empty(ctx.num_tokens, dxs_MD).zero_().index_add_(0, token, dxs_MD), None
+            return dxs_MD.new_zeros(ctx.num_tokens, dxs_MD.shape[1]).index_add(0, token, dxs_MD), None, None, None
+        if dxs_MD.shape[0] == ctx.num_tokens * ctx.top_k > 0 and dxs_MD.dtype == torch.promote_types(
+            dxs_MD.dtype, torch.float32
+        ):  # every slot kept: gather and sum each token's K rows
+            ones = dxs_MD.new_ones(ctx.num_tokens, ctx.top_k)
+            return _sum_slots(dxs_MD, row_of_slot, ones, dxs_MD.dtype), None, None, None
+        return _empty(ctx.num_tokens, dxs_MD).zero_().index_add_(0, token, dxs_MD), None, None, None
 
 
 class _TorchUnpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor) -> Tensor:
+    def forward(ctx, y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor, row_of_slot: Tensor) -> Tensor:
         acc = torch.promote_types(y_MD.dtype, torch.float32)
+        ctx.save_for_backward(y_MD, weights_TK, slot, token)
+        if y_MD.shape[0] == weights_TK.numel() > 0:  # every slot kept
+            return _sum_slots(y_MD, row_of_slot, weights_TK, acc).to(y_MD.dtype)
         w_M = weights_TK.reshape(-1)[slot].to(acc)
         scaled = torch.mul(y_MD, w_M[:, None], out=_empty(y_MD.shape[0], y_MD, acc))
         out = _empty(weights_TK.shape[0], y_MD, acc).zero_().index_add_(0, token, scaled)
-        ctx.save_for_backward(y_MD, weights_TK, slot, token)
         return out.to(y_MD.dtype)
 
     @staticmethod
@@ -156,7 +180,7 @@ class _TorchUnpermute(torch.autograd.Function):
         y_MD, weights_TK, slot, token = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph
             inputs = (y_MD, weights_TK, slot, token)
-            return workspace.tracked_grads(_unpermute_plain, inputs, ctx.needs_input_grad, dout_TD)
+            return (*workspace.tracked_grads(_unpermute_plain, inputs, ctx.needs_input_grad[:4], dout_TD), None)
         acc = torch.promote_types(y_MD.dtype, torch.float32)
         d_rows = torch.index_select(dout_TD.to(acc), 0, token, out=_empty(token.shape[0], y_MD, acc))
         dw = None
@@ -167,7 +191,7 @@ class _TorchUnpermute(torch.autograd.Function):
         dy = None
         if ctx.needs_input_grad[0]:  # to() returns d_rows itself when the dtype is already y's
             dy = d_rows.mul_(weights_TK.reshape(-1)[slot].to(acc)[:, None]).to(y_MD.dtype)
-        return dy, dw, None, None
+        return dy, dw, None, None, None
 
 
 def _unpermute_plain(y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor) -> Tensor:
@@ -252,7 +276,7 @@ def permute_rows(x_TD: Tensor, info: PermuteInfo, *, backend: str = "auto") -> T
     if _resolve(backend, x_TD) == "triton":
         return _permute_op(x_TD.contiguous(), info.token, info.row_of_slot, info.top_k)
     if workspace.usable(x_TD):
-        return _TorchPermute.apply(x_TD, info.token)
+        return _TorchPermute.apply(x_TD, info.token, info.row_of_slot, info.top_k)
     return x_TD.index_select(0, info.token)  # index_select: about 3x faster than x[idx] on CPU
 
 
@@ -269,5 +293,5 @@ def unpermute(y_MD: Tensor, info: PermuteInfo, weights_TK: Tensor, *, backend: s
     if _resolve(backend, y_MD) == "triton":
         return _unpermute_op(y_MD.contiguous(), weights_TK, info.row_of_slot, info.slot, info.token)
     if workspace.usable(y_MD, weights_TK):
-        return _TorchUnpermute.apply(y_MD, weights_TK, info.slot, info.token)
+        return _TorchUnpermute.apply(y_MD, weights_TK, info.slot, info.token, info.row_of_slot)
     return _unpermute_plain(y_MD, weights_TK, info.slot, info.token)

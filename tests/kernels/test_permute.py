@@ -87,13 +87,15 @@ def test_gradients():
     torch.testing.assert_close(w.grad.reshape(-1), expect)
 
 
+@pytest.mark.parametrize("drop", [0.2, 0.0], ids=["dropped", "every_slot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_large_rows_in_kept_memory_match_reference(dtype):
+def test_large_rows_in_kept_memory_match_reference(dtype, drop):
     # (M, D) results of 1 MiB and more live in `workspace` memory; the second round runs in what
-    # the first left dirty, with other routing
+    # the first left dirty, with other routing. With every slot kept (M = T K) the combine and
+    # permute's backward gather each token's rows instead of scattering them.
     workspace.release()
     for seed in range(2):
-        idx, weights = routing(600, 7, 2, seed)
+        idx, weights = routing(600, 7, 2, seed, drop=drop)
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(600, 1024, generator=g).to(dtype).requires_grad_()
         w = weights.requires_grad_()
