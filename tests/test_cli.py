@@ -61,6 +61,8 @@ BAD = [
     (["train", "--nproc", "2", "--ep", "2", "--ranks-per-node", "3"], "--ranks-per-node 3 must divide --ep 2"),
     (["train", "--ep-chunks", "2"], "--ep-chunks 2 chunks the expert-parallel exchange: it needs --ep > 1"),
     (["train", "--ep-chunks", "0"], "--ep-chunks"),
+    (["train", "--router", "base", "--router-groups", "2"], "they need --router topk, not base"),
+    (["train", "--router", "topk", "--router-groups", "3"], "--router-groups: n_groups must divide num_experts=4"),
     (["train", "--grad-accum", "3"], "--grad-accum 3 must divide the 8 sequences of each data-parallel rank"),
     (["train", "--nproc", "2", "--pp", "2", "--grad-accum", "2"], "pipeline stages split a step with --micro-batches"),
     (["train", "--nproc", "4", "--pp", "2", "--dp-replicate", "2"], "not with --dp-replicate 2"),

@@ -68,6 +68,10 @@ def _check_train(args, p) -> None:
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     if launched and "nproc" in args._explicit and args.nproc != world:
         raise UsageError(f"--nproc {args.nproc} differs from torchrun's world size {world}: drop --nproc there")
+    if (args.router_groups is not None or args.topk_groups is not None) and args.router != "topk":
+        raise UsageError(
+            f"--router-groups / --topk-groups limit top-k routing: they need --router topk, not {args.router}"
+        )
     if args.ep_chunks > 1 and args.ep == 1:
         raise UsageError(f"--ep-chunks {args.ep_chunks} chunks the expert-parallel exchange: it needs --ep > 1")
     if args.ranks_per_node is not None and args.ep % args.ranks_per_node:

@@ -42,6 +42,12 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--aux-loss-coef", type=float, default=None, help="load-balancing loss weight (preset's)")
     m.add_argument("--z-loss-coef", type=float, default=None, help="router z-loss weight (preset's)")
     m.add_argument("--bias-update-rate", type=float, default=None, help="top-k aux-loss-free bias step (0: off)")
+    m.add_argument("--router-groups", type=_positive("--router-groups"), default=None,
+                   help="group-limited top-k: the experts in G contiguous groups (preset's); G = --ep / "
+                   "--ranks-per-node puts one group on each node of the ep group")  # fmt: skip
+    m.add_argument("--topk-groups", type=_positive("--topk-groups"), default=None,
+                   help="with --router-groups: each token uses experts of its M best groups; with groups on "
+                   "nodes and --dispatch hierarchical a token crosses to at most M nodes (preset's)")  # fmt: skip
     m.add_argument("--capacity-factor", type=float, default=None, help="expert capacity factor (None: dropless)")
     m.add_argument("--from-hf", default=None, help="start from a local transformers Llama or Mixtral folder (its "
                    "shape, weights and tokenizer.json; --preset is not used)")  # fmt: skip

@@ -39,6 +39,8 @@ class TrainConfig:
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
     bias_update_rate: float | None = None  # top-k's aux-loss-free balancing bias step
+    router_groups: int | None = None  # group-limited top-k: the experts in this many contiguous groups
+    topk_groups: int | None = None  # ... each token using its best this many (a node limit when groups = nodes)
     capacity_factor: float | None = None
     from_hf: str | None = None  # a local transformers Llama or Mixtral folder: its shape and weights
     upcycle: int | None = None  # experts each of its MLPs becomes (the layers --moe-every picks); None: dense
@@ -110,6 +112,7 @@ LAYOUT_FIELDS = (
 
 RESUME_KEEPS = (
     "preset experts top_k router base_balance moe_every dense dim n_layers aux_loss_coef z_loss_coef bias_update_rate "
+    "router_groups topk_groups "
     "capacity_factor from_hf upcycle data tokenizer text_key doc_mask batch seq_len val_fraction steps lr min_lr_ratio "
     "warmup weight_decay grad_clip seed"
 ).split()
@@ -133,9 +136,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
         return LlamaConfig.from_name(cfg.preset, **over)
     template = base.moe or MoEConfig(dim=dim, hidden_dim=base.ffn_hidden_dim, num_experts=8, aux_loss_coef=0.01)
     top_k = cfg.top_k if cfg.top_k is not None else (1 if cfg.router == "base" else template.top_k)
-    router_options = dict(template.router_options)
-    if cfg.bias_update_rate is not None:
-        router_options["bias_update_rate"] = cfg.bias_update_rate
+    router_options = {**template.router_options, **_router_options(cfg)}
     moe = replace(
         template,
         dim=dim,
@@ -152,13 +153,19 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
     return LlamaConfig.from_name(cfg.preset, **over)
 
 
+def _router_options(cfg: TrainConfig) -> dict:
+    """The router options the command line sets (the others stay the preset's)."""
+    names = (("bias_update_rate", "bias_update_rate"), ("router_groups", "n_groups"), ("topk_groups", "topk_groups"))
+    return {option: getattr(cfg, field) for field, option in names if getattr(cfg, field) is not None}
+
+
 def upcycle_template(cfg: TrainConfig, dim: int, hidden: int) -> MoEConfig | None:
     """The MoE layer a checkpoint's MLPs are upcycled into (its experts are copies of the MLP,
     as wide), from the run's model options; None without ``upcycle``."""
     if cfg.upcycle is None:
         return None
     top_k = cfg.top_k if cfg.top_k is not None else (1 if cfg.router == "base" else 2)
-    options = {"bias_update_rate": cfg.bias_update_rate} if cfg.bias_update_rate is not None else {}
+    options = _router_options(cfg)
     return MoEConfig(
         dim=dim, hidden_dim=hidden, num_experts=cfg.upcycle, top_k=top_k, router=cfg.router,
         combine="sigmoid_residual" if cfg.router == "base" and top_k == 1 else "weighted", router_options=options,

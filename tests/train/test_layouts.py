@@ -181,6 +181,21 @@ def test_dp_replicate_and_etp_give_the_one_process_losses_and_loads(tmp_path, do
         assert json.loads((run / "config.json").read_text())["moe_dispatch"] == ["HierarchicalDispatcher"]
 
 
+def test_router_groups_on_nodes_give_the_one_process_losses(tmp_path, docs, topk_one):
+    """--router-groups 2 --topk-groups 1 on ep=2 as two nodes of one rank: one group per node, so
+    every token's experts lie on one node; the two-level run gives the one-process losses of the
+    same model, which differ from the unlimited router's."""
+    grouped = [*TOPK, "--data", docs, "--router-groups", 2, "--topk-groups", 1]
+    one, two = tmp_path / "one", tmp_path / "two"
+    moe("train", *grouped, "--out", one, "--stop-at", 2)
+    moe("train", *grouped, "--out", two, "--nproc", 2, "--ep", 2, "--dispatch", "hierarchical", "--ranks-per-node", 1,
+        "--stop-at", 2)  # fmt: skip
+    _same(_metrics(two), _metrics(one), "grouped ep2 two nodes")
+    options = json.loads((two / "config.json").read_text())["model"]["moe"]["router_options"]
+    assert options["n_groups"] == 2 and options["topk_groups"] == 1, options
+    assert _metrics(one)[1]["loss"] != pytest.approx(topk_one[1]["loss"], **LOSS)  # the limit changes the routing
+
+
 def _wait_for_steps(proc, metrics, n):
     for _ in range(1200):  # until n steps have finished (no time is asserted)
         if proc.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") >= n + 1):
