@@ -12,8 +12,9 @@ the stage keeps its gathered parameters and gradients through the backward and r
 afterwards, as `torch.distributed.pipelining` does for the last micro-batch.
 
 ``FSDPMemTracker`` (FSDP2 layouts) or ``MemTracker`` counts the live tensors by kind; each
-part's peak is its largest value in any of the tracker's snapshots (every module's
-pre/post-forward/backward and its local peaks), the total is the tracker's peak. The parts
+part's peak is its largest value after any operation the tracker sees outside the optimizer step
+(`_peaks`), FSDP2's all-gather and reduce-scatter buffers filed as such from their allocation
+(`_fsdp_own_buffers`); the total is the tracker's peak. The parts
 map onto the planner's components (`PARTS`); the planner adds the per-part peaks, which the
 tracker never sees at one moment, so its total is an upper bound of the tracker's.
 """
@@ -235,11 +236,12 @@ def _measure_here(
             opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4)
             fsdp = isinstance(model, FSDPModule)
             if fsdp:
-                tracker = FSDPMemTracker(model, opt)
+                tracker = _peaks(FSDPMemTracker)(model, opt)
             else:
-                tracker = MemTracker()
+                tracker = _peaks(MemTracker)()
                 tracker.track_external(model, opt)
-            with tracker, _private_propagation(), _routed(model, routing, lay.coords(rank)["ep"]):
+            filed = _fsdp_own_buffers(tracker) if fsdp else contextlib.nullcontext()
+            with tracker, filed, _private_propagation(), _routed(model, routing, lay.coords(rank)["ep"]):
                 _one_step(model, lay, cfg, shape, opt, fsdp)
                 tracker.reset_mod_stats()  # the snapshots of the steady-state step only
                 _one_step(model, lay, cfg, shape, opt, fsdp)
@@ -262,6 +264,68 @@ def _private_propagation():
         yield
 
 
+def _peaks(tracker_class):
+    """``tracker_class`` keeping each part's largest value after every operation it tracks outside
+    the optimizer step (its snapshots are taken at module boundaries and at the total's peaks,
+    and miss a part's peak between them: the logits' gradient before the first module's
+    backward, FSDP2's copy-in), in ``part_peaks`` since the last ``reset_mod_stats``; and filing
+    a new tensor under ``filing`` when set (`_fsdp_own_buffers`). The step's temporaries are left
+    out: AdamW's for-loop on these CPU tensors makes two fp32 copies of one parameter at a time
+    (a GPU's foreach step one per element of a group), at a moment no activations are live."""
+
+    class Tracker(tracker_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.part_peaks: dict[str, int] = {}
+            self.filing = None
+
+        def _track(self, reftype, t):
+            super()._track(self.filing or reftype, t)
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            if self._in_opt:
+                return
+            for dev in self._curr_mem_snap.values():
+                for part, kinds in PARTS.items():
+                    self.part_peaks[part] = max(self.part_peaks.get(part, 0), sum(dev.get(k, 0) for k in kinds))
+
+        def reset_mod_stats(self):
+            super().reset_mod_stats()
+            self.part_peaks = {}
+
+    return Tracker
+
+
+@contextlib.contextmanager
+def _fsdp_own_buffers(tracker):
+    """FSDP2's own buffers filed as FSDP buffers from their allocation: what its all-gather
+    copy-out makes ("All Gather") and what its reduce-scatter copy-in makes ("Reduce Scatter": the
+    fp32 input and the dim-0 copies of gradients sharded on another dim). The tracker files them
+    as Temp until the collective is issued, by which time the copy-in has freed the gradients it
+    copied: the two are never seen together, though they are live together."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    def filed(fn, reftype):
+        def inner(*args, **kwargs):
+            tracker.filing = reftype
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracker.filing = None
+
+        return inner
+
+    with (
+        mock.patch.object(group, "foreach_reduce", filed(group.foreach_reduce, _FSDPRefType.REDUCE_SCATTER)),
+        mock.patch.object(
+            group, "foreach_all_gather_copy_out", filed(group.foreach_all_gather_copy_out, _FSDPRefType.ALL_GATHER)
+        ),
+    ):
+        yield
+
+
 def _parts(tracker) -> dict[str, int]:
     snaps = [tracker.get_tracker_snapshot("peak")]
     for stats in tracker.memory_tracking.values():
@@ -274,6 +338,7 @@ def _parts(tracker) -> dict[str, int]:
             total = max(total, dev.get("Total", 0))
             for part, kinds in PARTS.items():
                 out[part] = max(out[part], sum(dev.get(k, 0) for k in kinds))
+    out = {part: max(v, tracker.part_peaks.get(part, 0)) for part, v in out.items()}
     out["total"] = total
     return out
 
