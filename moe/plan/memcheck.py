@@ -400,9 +400,10 @@ CASES = [
     Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=0, differs=_PIPE),
     Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=4, differs=_PIPE),
     Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=7, differs=_PIPE),
-    # MoE (routed by BASE's static path: `tracked_config`); the experts' FSDP unit: see docs/scale.md
-    Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512", n_layers=2, differs=("fsdp_buffers",)),
-    Case("mixtral-8x7b", "tp=2,ep=8,etp=1,dp_shard=512", n_layers=2, differs=("fsdp_buffers",)),
+    Case("llama2-7b", "dp_shard=1024", n_layers=4),  # tp = 1: the root is larger than a block
+    # MoE (routed by BASE's static path: `tracked_config`)
+    Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512", n_layers=2),
+    Case("mixtral-8x7b", "tp=2,ep=8,etp=1,dp_shard=512", n_layers=2),
     Case("llama2-moe-1.2t", "tp=4,pp=16,ep=8,etp=1,dp_shard=16,reshard=0", pp_rank=1, n_layers=32, differs=_PIPE),
 ]
 # dropless routing at its worst: every token of the ep group to one rank's experts (not a case the
