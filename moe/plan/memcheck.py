@@ -12,8 +12,9 @@ the stage keeps its gathered parameters and gradients through the backward and r
 afterwards, as `torch.distributed.pipelining` does for the last micro-batch.
 
 ``FSDPMemTracker`` (FSDP2 layouts) or ``MemTracker`` counts the live tensors by kind; each
-part's peak is its largest value in any of the tracker's snapshots (every module's
-pre/post-forward/backward and its local peaks), the total is the tracker's peak. The parts
+part's peak is its largest value after any operation the tracker sees outside the optimizer step
+(`_peaks`), FSDP2's all-gather and reduce-scatter buffers filed as such from their allocation
+(`_fsdp_own_buffers`); the total is the tracker's peak. The parts
 map onto the planner's components (`PARTS`); the planner adds the per-part peaks, which the
 tracker never sees at one moment, so its total is an upper bound of the tracker's.
 """
@@ -235,12 +236,15 @@ def _measure_here(
             opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4)
             fsdp = isinstance(model, FSDPModule)
             if fsdp:
-                tracker = FSDPMemTracker(model, opt)
+                tracker = _peaks(FSDPMemTracker)(model, opt)
             else:
-                tracker = MemTracker()
+                tracker = _peaks(MemTracker)()
                 tracker.track_external(model, opt)
-            with tracker, _private_propagation(), _routed(model, routing, lay.coords(rank)["ep"]):
+            filed = _fsdp_own_buffers(tracker) if fsdp else contextlib.nullcontext()
+            with tracker, filed, _private_propagation(), _routed(model, routing, lay.coords(rank)["ep"]):
                 _one_step(model, lay, cfg, shape, opt, fsdp)
+                if fsdp:
+                    _file_unsharded_grads(model, tracker)
                 tracker.reset_mod_stats()  # the snapshots of the steady-state step only
                 _one_step(model, lay, cfg, shape, opt, fsdp)
             return _parts(tracker)
@@ -262,6 +266,90 @@ def _private_propagation():
         yield
 
 
+def _peaks(tracker_class):
+    """``tracker_class`` keeping each part's largest value after every operation it tracks outside
+    the optimizer step (its snapshots are taken at module boundaries and at the total's peaks,
+    and miss a part's peak between them: the logits' gradient before the first module's
+    backward, FSDP2's copy-in), in ``part_peaks`` since the last ``reset_mod_stats``; and filing
+    a new tensor under ``filing`` when set (`_fsdp_own_buffers`). The step's temporaries are left
+    out: AdamW's for-loop on these CPU tensors makes two fp32 copies of one parameter at a time
+    (a GPU's foreach step one per element of a group), at a moment no activations are live."""
+
+    class Tracker(tracker_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.part_peaks: dict[str, int] = {}
+            self.filing = None
+
+        def _track(self, reftype, t):
+            super()._track(self.filing or reftype, t)
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            if self._in_opt:
+                return
+            for dev in self._curr_mem_snap.values():
+                for part, kinds in PARTS.items():
+                    self.part_peaks[part] = max(self.part_peaks.get(part, 0), sum(dev.get(k, 0) for k in kinds))
+
+        def reset_mod_stats(self):
+            super().reset_mod_stats()
+            self.part_peaks = {}
+
+    return Tracker
+
+
+@contextlib.contextmanager
+def _fsdp_own_buffers(tracker):
+    """FSDP2's own buffers filed as FSDP buffers from their allocation: what its all-gather and
+    copy-out make ("All Gather"), what its reduce-scatter copy-in makes ("Reduce Scatter": the
+    fp32 input and the dim-0 copies of gradients sharded on another dim), and the fp32 gradients
+    it accumulates unsharded while gradient sync is off ("Unsharded Grad": under pipelining). The
+    tracker files them as Temp: the all-gather output and the reduce-scatter input until the
+    collective is issued (by then the copy-in has freed the gradients it copied: the two are never
+    seen together, though they are live together), the accumulated gradients always."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Ref
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    def filed(fn, reftype):
+        def inner(*args, **kwargs):
+            tracker.filing = reftype
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracker.filing = None
+
+        return inner
+
+    makers = [
+        (group, "foreach_all_gather", Ref.ALL_GATHER),
+        (group, "foreach_all_gather_copy_out", Ref.ALL_GATHER),
+        (group, "foreach_reduce", Ref.REDUCE_SCATTER),
+        (FSDPParam, "to_accumulated_grad_if_needed", Ref.UNSHARDED_GRAD),
+    ]
+    with contextlib.ExitStack() as stack:
+        for owner, name, reftype in makers:
+            stack.enter_context(mock.patch.object(owner, name, filed(getattr(owner, name), reftype)))
+        yield
+
+
+def _file_unsharded_grads(model, tracker) -> None:
+    """Autograd's gradient of each unsharded parameter filed as "Unsharded Grad" when it is
+    accumulated, not when FSDP2's post-backward takes it (the tracker's moment): until then the
+    tracker files it as Temp, our activations. The unsharded parameters exist from the first
+    all-gather on, and are the same tensors in every step."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    def file(param):
+        tracker._update_and_maybe_create_winfos(param.grad, _FSDPRefType.UNSHARDED_GRAD)
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group else ():
+            fsdp_param._unsharded_param.register_post_accumulate_grad_hook(file)
+
+
 def _parts(tracker) -> dict[str, int]:
     snaps = [tracker.get_tracker_snapshot("peak")]
     for stats in tracker.memory_tracking.values():
@@ -274,6 +362,7 @@ def _parts(tracker) -> dict[str, int]:
             total = max(total, dev.get("Total", 0))
             for part, kinds in PARTS.items():
                 out[part] = max(out[part], sum(dev.get(k, 0) for k in kinds))
+    out = {part: max(v, tracker.part_peaks.get(part, 0)) for part, v in out.items()}
     out["total"] = total
     return out
 
@@ -327,17 +416,18 @@ class Case:
         return f"{self.model}{depth}: {self.layout}{extra}{stage}{loads}"
 
 
-_PIPE = ("fsdp_buffers", "activations")  # under pipelining the tracker files FSDP2's kept gradients as Temp
+_PIPE = ("fsdp_buffers", "activations")  # the first stage's embedding gradient, a short stage's backward: docs/scale.md
 CASES = [
     Case("llama2-70b", "tp=8,dp_shard=128", n_layers=4),
     Case("llama2-70b", "tp=8,dp_shard=128,reshard=0", n_layers=4),
     Case("llama2-70b", "tp=8,dp_shard=128,recompute=1", n_layers=4, differs=("activations",)),
     Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=0, differs=_PIPE),
-    Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=4, differs=_PIPE),
-    Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=7, differs=_PIPE),
-    # MoE (routed by BASE's static path: `tracked_config`); the experts' FSDP unit: see docs/scale.md
-    Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512", n_layers=2, differs=("fsdp_buffers",)),
-    Case("mixtral-8x7b", "tp=2,ep=8,etp=1,dp_shard=512", n_layers=2, differs=("fsdp_buffers",)),
+    Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=4),
+    Case("llama2-70b", "tp=8,pp=8,dp_shard=16", pp_rank=7),
+    Case("llama2-7b", "dp_shard=1024", n_layers=4),  # tp = 1: the root is larger than a block
+    # MoE (routed by BASE's static path: `tracked_config`)
+    Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512", n_layers=2),
+    Case("mixtral-8x7b", "tp=2,ep=8,etp=1,dp_shard=512", n_layers=2),
     Case("llama2-moe-1.2t", "tp=4,pp=16,ep=8,etp=1,dp_shard=16,reshard=0", pp_rank=1, n_layers=32, differs=_PIPE),
 ]
 # dropless routing at its worst: every token of the ep group to one rank's experts (not a case the

@@ -8,16 +8,18 @@ Assumptions (stated once, the same for every layout):
 - Parameters: the FSDP2 shards are fp32 (the master weights under mixed precision: FSDP2
   all-gathers them in bf16 for compute); gradients are sharded fp32 (fp32 reduce dtype);
   AdamW keeps fp32 m and v: 4 + 4 + 8 = 16 bytes per local element.
-- FSDP buffers: without pipelining, two FSDP units gathered in compute dtype (the one running
-  and the one prefetched: two blocks, or an MoE block's experts and the rest of a block, which
-  are units of their own) and the largest unit's unsharded gradient, in compute dtype as
-  autograd makes it and in fp32 as FSDP2 copies it for the reduce-scatter; and the root's parameters (embedding,
-  final norm, output), which FSDP2 keeps gathered from the forward to the backward. Under pipelining,
+- FSDP buffers: without pipelining, the largest moment of FSDP2's backward (`fsdp_backward_peak`:
+  a unit's gather, the start of its post-backward, its reduce-scatter copy-in), sizes padded as
+  FSDP2 pads them (`gathered_numel`), with the root's parameters (embedding, final norm, output)
+  gathered throughout and the output projection's gradient (compute dtype) from its backward
+  on; an MoE block's experts are a unit of their own, inside the rest of the block. For uniform
+  dense blocks: three blocks in compute dtype (the one running, its gradient, the one
+  prefetched) and one in fp32 (the last reduce-scatter input, in flight). Under pipelining,
   torch.distributed.pipelining keeps gradients unsharded (no sync) and parameters unsharded
-  after backward until the last micro-batch: the stage's whole unsharded parameters (compute
-  dtype) and gradients, in compute dtype as autograd makes them and in fp32 as FSDP2 reduces
-  them, are counted. With ``reshard=False`` (no reshard after forward)
-  every block stays gathered between its forward and backward.
+  after backward, and reduces after the stage's backward: the stage's whole unsharded parameters
+  (compute dtype) and gradients (fp32: FSDP2 accumulates them in its reduce dtype), and one unit
+  more (`_no_sync_extra`). With ``reshard=False`` (no reshard after forward) every block stays
+  gathered between its forward and backward.
 - Activations: the tensors an ideal block keeps for backward: norm inputs (sequence shard),
   the gathered inputs of the column-parallel projections (DTensor keeps them whole), q, k, v
   and the attention output (flash attention: no S x S matrix), and in the MLPs both
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .layout import Layout
-from .shards import local_numel, stage_specs, stage_specs_ends, stage_summary, unsharded_numel
+from .shards import Unit, gathered_numel, local_numel, stage_specs, stage_specs_ends, stage_summary
 
 __all__ = ["COMPONENTS", "USABLE_FRACTION", "TrainShape", "memory", "param_bytes", "peak_memory"]
 
@@ -156,14 +158,16 @@ def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: d
     out = dict.fromkeys(COMPONENTS, 0)
     out["params"], out["grads"], out["optimizer"] = _PARAM_BYTES * local, _GRAD_BYTES * local, _OPT_BYTES * local
     if gathered:
+        ends = [x for st in stages for x in stage_specs_ends(cfg, lay, st)]
+        root = sum(gathered_numel(x, lay, c) for x in ends)
+        early = sum(gathered_numel(x, lay, c) for x in ends if x.name != "tok_embeddings.weight")
         if lay.pp > 1:
-            out["fsdp_buffers"] = gathered * (2 * a + _GRAD_BYTES)
+            units = [u for x in sums for _, _, us in x.units for u in us] + [Unit(root)]
+            out["fsdp_buffers"] = gathered * (a + _GRAD_BYTES) + max(_no_sync_extra(u, a) for u in units)
         elif not lay.reshard:  # every block stays gathered from its forward to its backward
-            out["fsdp_buffers"] = gathered * a + block_max * _GRAD_BYTES
+            out["fsdp_buffers"] = (gathered + early) * a + block_max * _GRAD_BYTES
         else:
-            root = sum(unsharded_numel(x, lay, c) for st in stages for x in stage_specs_ends(cfg, lay, st))
-            pair, unit = max(x.pair_max for x in sums), max(x.unit_max for x in sums)
-            out["fsdp_buffers"] = pair * a + unit * (a + _GRAD_BYTES) + root * a
+            out["fsdp_buffers"] = max(fsdp_backward_peak(x.units, root, a, early) for x in sums)
     if ("act",) not in cache:
         cache[("act",)] = {kind: layer_activation_elems(cfg, lay, i, tokens) for kind, i in _kinds(cfg)}
     act = cache[("act",)]
@@ -190,6 +194,55 @@ def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: d
         out["moe_dispatch"] = 2 * _routed_rows(cfg, tokens) * cfg.dim * a
     out["total"] = sum(out[k] for k in COMPONENTS)
     return out
+
+
+def _no_sync_extra(u: Unit, a: int) -> int:
+    """Bytes beyond a pipeline stage's gathered parameters and fp32 gradients (FSDP2 accumulates
+    them unsharded in the reduce dtype while gradient sync is off) that unit ``u`` adds at its
+    moment: its compute-dtype gradient before it is accumulated, or at its reduce-scatter copy-in
+    (after the stage's backward, ``u`` resharded) its fp32 input, and for parameters sharded on a
+    dim other than 0 the largest fp32 original beside its dim-0 copy."""
+    made = u.numel * a if a < _GRAD_BYTES else 0
+    return max(made, (_GRAD_BYTES - a) * u.numel + _GRAD_BYTES * u.d_max)
+
+
+def fsdp_backward_peak(units: tuple, root: int, a: int, early: int = 0) -> int:
+    """FSDP2's peak bytes in the backward of a stage resharding after forward (the forward holds
+    less: no gradients), the largest of three moments of each unit u, with ``root`` the root
+    module's gathered elements (held throughout), ``early`` those of its parameters whose
+    gradient is made before the blocks' backward and kept, in compute dtype, until the root's
+    post-backward (the final norm and the output projection), ``a`` the compute dtype's bytes,
+    and ``units`` `StageSummary.units`. The backward runs the blocks last to first; an MoE
+    block's outer unit (attention, norms, router) is gathered first and reduced last, its experts
+    in between.
+
+    - u's gather: its all-gather output and the unsharded parameters copied out of it, and for
+      parameters sharded on a dim other than 0 a third copy (the dim-0 chunks concatenated back);
+    - u's post-backward begins: u gathered, its gradient in compute dtype as autograd made it, the
+      block before's outer unit prefetched, and the reduce-scatter input (fp32) of the unit reduced
+      before u (FSDP2 keeps one in flight until the next post-backward);
+    - u's reduce-scatter copy-in: u resharded and that earlier input freed, u's gradient in compute
+      dtype and its fp32 reduce-scatter input, and for parameters sharded on another dim their
+      dim-0 copies in compute dtype, one original (the largest) not freed yet.
+
+    The enclosing outer unit stays gathered during the experts' moments. Which kinds of block
+    neighbour which is not known from counts, so each moment takes the largest neighbour."""
+    kinds = {kind: (n, us) for kind, n, us in units}
+    near = [(x, y) for x in kinds for y in kinds if x != y or kinds[x][0] > 1]  # block x runs just before y
+    outer = {kind: us[0].numel for kind, (_, us) in kinds.items()}  # prefetched first, reduced last
+    best = 2 * root * a + _GRAD_BYTES * max(outer.values(), default=0)  # the root's post-backward
+    best = max(best, root * a + root * _GRAD_BYTES)  # the root's copy-in
+    for kind, (_, us) in kinds.items():
+        before = max((outer[x] for x, y in near if y == kind), default=0)  # prefetched during this block
+        after = max((outer[y] for x, y in near if x == kind), default=0)  # reduced just before this block
+        for j, u in enumerate(us):
+            held = root + early + (us[0].numel if j else 0)  # the root, and the outer unit around the experts
+            prev = us[1].numel if len(us) == 2 and not j else after  # the input still in flight
+            gather = a * (held + 2 * u.numel + u.d_numel) + _GRAD_BYTES * prev
+            post = a * (held + 2 * u.numel + before) + _GRAD_BYTES * prev
+            copy_in = a * (held + u.numel + u.d_max + before) + _GRAD_BYTES * u.numel
+            best = max(best, gather, post, copy_in)
+    return best
 
 
 def _kinds(cfg: LlamaConfig) -> list[tuple[str, int]]:

@@ -25,7 +25,6 @@ Every DTensor shard follows torch.chunk's rule too.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -33,8 +32,8 @@ from ..models.llama import LlamaConfig
 from .layout import Layout
 
 __all__ = [
-    "ParamSpec", "StageSummary", "chunk", "fsdp_group_size", "local_numel", "rank_params", "stage_layers",
-    "stage_specs", "stage_summary",
+    "ParamSpec", "StageSummary", "Unit", "chunk", "fsdp_group_size", "gathered_numel", "local_numel", "rank_params",
+    "stage_layers", "stage_specs", "stage_summary",
 ]  # fmt: skip
 
 
@@ -140,16 +139,27 @@ def local_numel(spec: ParamSpec, lay: Layout, c: dict[str, int]) -> int:
         k, i = lay.dp * lay.tp, ((r * lay.dp_shard_mod_ep + m) * lay.ep + e) * lay.tp + t
     else:
         k, i = (lay.dp_shard, m * lay.ep + e) if lay.dp > 1 else (1, 0)
-    if k > 1:  # FSDP2's dim 0, or D for experts that do not split evenly (`parallelize_llama`)
-        by_d = spec.d_dim is not None and shape[0] % k and shape[spec.d_dim] % k == 0
-        dim = spec.d_dim if by_d else 0
+    if k > 1:
+        dim = _fsdp_dim(spec, shape, k)
         shape[dim] = chunk(shape[dim], k, i)
     return math.prod(shape)
 
 
-def unsharded_numel(spec: ParamSpec, lay: Layout, c: dict[str, int]) -> int:
-    """Elements after FSDP's all-gather (the TP / EP local tensor)."""
-    return math.prod(_tp_ep_shape(spec, lay, c))
+def _fsdp_dim(spec: ParamSpec, shape: list[int], k: int) -> int:
+    """The dim FSDP2 shards over ``k`` ranks: 0, or D for experts that do not split evenly
+    (`parallelize_llama`)."""
+    return spec.d_dim if spec.d_dim is not None and shape[0] % k and shape[spec.d_dim] % k == 0 else 0
+
+
+def gathered_numel(spec: ParamSpec, lay: Layout, c: dict[str, int]) -> int:
+    """Elements of FSDP2's all-gather output for ``spec``: the local tensor with its sharded dim
+    padded to k pieces of the first piece's length (torch.chunk's), which the unsharded
+    parameter keeps as its storage and the reduce-scatter input has too."""
+    shape, k = _tp_ep_shape(spec, lay, c), fsdp_group_size(spec, lay)
+    if k > 1:
+        dim = _fsdp_dim(spec, shape, k)
+        shape[dim] = -(-shape[dim] // k) * k
+    return math.prod(shape)
 
 
 def rank_params(cfg: LlamaConfig, lay: Layout, rank: int) -> dict[str, int]:
@@ -174,10 +184,19 @@ class StageSummary:
     fsdp_rs: int  # the same for the gradient reduce-scatter
     dense_layers: int
     moe_layers: int
-    unit_max: int = 0  # the largest FSDP unit of the blocks once gathered (an MoE block has two:
-    # its experts, over edp, and the rest, over dp)
-    pair_max: int = 0  # the largest two units gathered one after the other (the running one and
-    # the one prefetched), over the blocks' units in order
+    units: tuple = ()  # per kind of block present: (kind, count, its FSDP units in forward order),
+    # a unit as `Unit`; an MoE block has two: the rest (outer, over dp) and its experts (over edp)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit of a block once gathered: its elements (padded as FSDP2 gathers them), those
+    of its parameters FSDP2 shards on a dim other than 0 (experts sharded on D), and the largest of
+    those (`memory.fsdp_backward_peak` says what each costs)."""
+
+    numel: int
+    d_numel: int = 0
+    d_max: int = 0
 
 
 def _spec_numbers(specs, lay: Layout, c: dict[str, int]) -> tuple[int, int, int]:
@@ -187,9 +206,16 @@ def _spec_numbers(specs, lay: Layout, c: dict[str, int]) -> tuple[int, int, int]
         local += n
         k = fsdp_group_size(s, lay)
         if k > 1 or lay.dp > 1:  # under FSDP (even over one rank) a gathered compute-dtype copy exists
-            gathered += unsharded_numel(s, lay, c)
+            gathered += gathered_numel(s, lay, c)
             ag += n * (k - 1)
     return local, gathered, ag
+
+
+def _unit(specs, lay: Layout, c: dict[str, int]) -> Unit:
+    sizes = [(gathered_numel(s, lay, c), s) for s in specs]
+    k = {s.name: fsdp_group_size(s, lay) for s in specs}
+    on_d = [n for n, s in sizes if k[s.name] > 1 and _fsdp_dim(s, _tp_ep_shape(s, lay, c), k[s.name])]
+    return Unit(sum(n for n, _ in sizes), sum(on_d), max(on_d, default=0))
 
 
 def fsdp_group_size(spec: ParamSpec, lay: Layout) -> int:
@@ -212,32 +238,27 @@ def stage_summary(cfg: LlamaConfig, lay: Layout, stage: int, c: dict[str, int], 
             kinds.append((("dense", len(dense), dense[:1]), ("moe", len(moe), moe[:1])))
         cache[("kinds",)] = kinds
     local = gathered = ag = block_max = 0
-    counts, units = {}, {}
+    counts, units = {}, []
     for kind, n, rep in cache[("kinds",)][stage]:
         counts[kind] = n
         if not n:
             continue
         if (kind, *key) not in cache:
             specs = _layer_specs(cfg, lay, rep[0])
-            experts = _spec_numbers([x for x in specs if x.expert], lay, c)[1]
-            cache[(kind, *key)] = (*_spec_numbers(specs, lay, c), experts)
-        lo, ga, a, experts = cache[(kind, *key)]
+            ex, rest = [x for x in specs if x.expert], [x for x in specs if not x.expert]
+            us = (_unit(rest, lay, c), _unit(ex, lay, c)) if ex else (_unit(specs, lay, c),)  # in forward order
+            cache[(kind, *key)] = (*_spec_numbers(specs, lay, c), us)
+        lo, ga, a, us = cache[(kind, *key)]
         local, gathered, ag = local + lo * n, gathered + ga * n, ag + a * n
         block_max = max(block_max, ga)
-        units[kind] = (ga - experts, experts) if experts else (ga,)  # in the order they run
-    unit_max = max((u for us in units.values() for u in us), default=0)
-    pairs = [sum(us) for us in units.values() if len(us) == 2]  # within an MoE block
-    for a_kind, b_kind in itertools.product(units, repeat=2):  # one block's last unit, the next one's first
-        if a_kind != b_kind or counts[a_kind] > 1:
-            pairs.append(units[a_kind][-1] + units[b_kind][0])
-    pair_max = max(pairs, default=unit_max)
+        units.append((kind, n, us))
     ends = (stage == 0, stage == lay.num_stages - 1)
     if ends != (False, False):
         if ("ends", ends, *key) not in cache:
             cache[("ends", ends, *key)] = _spec_numbers(stage_specs_ends(cfg, lay, stage), lay, c)
         lo, ga, a = cache[("ends", ends, *key)]
         local, gathered, ag, block_max = local + lo, gathered + ga, ag + a, max(block_max, ga)
-    return StageSummary(local, gathered, block_max, ag, ag, counts["dense"], counts["moe"], unit_max, pair_max)
+    return StageSummary(local, gathered, block_max, ag, ag, counts["dense"], counts["moe"], tuple(units))
 
 
 def stage_specs_ends(cfg: LlamaConfig, lay: Layout, stage: int) -> list[ParamSpec]:

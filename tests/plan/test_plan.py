@@ -14,9 +14,9 @@ from moe.parallel.pipeline import stage_layers as real_stage_layers
 from moe.plan.cli import main
 from moe.plan.hardware import GPUS, gpu_from_spec
 from moe.plan.layout import Layout, parse_layout
-from moe.plan.memory import TrainShape, live_chunks, memory, peak_memory
+from moe.plan.memory import TrainShape, fsdp_backward_peak, live_chunks, memory, peak_memory
 from moe.plan.search import check_layout, evaluate
-from moe.plan.shards import chunk, rank_params, stage_layers
+from moe.plan.shards import Unit, chunk, gathered_numel, rank_params, stage_layers, stage_specs
 from moe.plan.time import model_flops_per_token, step_time
 
 
@@ -72,6 +72,29 @@ def test_memory_components_single_gpu():
     assert mem["fsdp_buffers"] == 0 and mem["moe_dispatch"] == 0
     assert mem["logits"] == 16 * cfg.vocab_size * 14  # bf16 + fp32 copy, log-softmax and gradient in fp32
     assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+
+
+def test_fsdp_backward_peak_moments():
+    """Uniform dense blocks peak as a post-backward begins: the root, the block, its bf16 gradient
+    and the block prefetched in bf16, the last reduce-scatter input in fp32. Experts sharded on D
+    inside a small outer unit peak at their copy-in: the outer unit twice (around them, and
+    prefetched), their bf16 gradient and one original, their fp32 input. A root larger than the
+    blocks peaks at its own copy-in (bf16 gradient, fp32 input)."""
+    root, b = 50, 100
+    assert fsdp_backward_peak((("dense", 4, (Unit(b),)),), root, 2) == 2 * (root + 3 * b) + 4 * b
+    outer, ex = 10, Unit(300, d_numel=300, d_max=100)
+    moe = (("moe", 2, (Unit(outer), ex)),)
+    assert fsdp_backward_peak(moe, root, 2) == 2 * (root + 2 * outer + 300 + 100) + 4 * 300
+    assert fsdp_backward_peak((("dense", 4, (Unit(b),)),), 5000, 2) == 5000 * (2 + 4)
+
+
+def test_gathered_numel_pads_like_fsdp2():
+    """FSDP2's all-gather output is k pieces of the first piece's length: 32,000 vocabulary rows
+    over 1,024 ranks gather as 32,768."""
+    cfg = LlamaConfig.from_name("llama2-7b", n_layers=1)
+    lay = Layout(dp_shard=1024)
+    emb = next(s for s in stage_specs(cfg, lay, 0) if s.name == "tok_embeddings.weight")
+    assert gathered_numel(emb, lay, lay.coords(0)) == 32768 * 4096
 
 
 def test_recompute_and_schedules_shrink_activations():
