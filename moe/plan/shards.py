@@ -185,7 +185,8 @@ class StageSummary:
     dense_layers: int
     moe_layers: int
     units: tuple = ()  # per kind of block present: (kind, count, its FSDP units in forward order),
-    # a unit as `Unit`; an MoE block has two: the rest (outer, over dp) and its experts (over edp)
+    # a unit as `Unit`; an expert-parallel MoE block has two: the rest (outer, over dp) and its
+    # experts (over edp); on one rank's experts (ep=1 without etp) the block is one unit
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,10 @@ def stage_summary(cfg: LlamaConfig, lay: Layout, stage: int, c: dict[str, int], 
         if (kind, *key) not in cache:
             specs = _layer_specs(cfg, lay, rep[0])
             ex, rest = [x for x in specs if x.expert], [x for x in specs if not x.expert]
-            us = (_unit(rest, lay, c), _unit(ex, lay, c)) if ex else (_unit(specs, lay, c),)  # in forward order
+            # in forward order; the experts are a unit of their own under expert parallelism
+            # (ep > 1 or etp), else in the block's (`parallelize_llama`)
+            own = ex and (lay.ep > 1 or lay.etp)
+            us = (_unit(rest, lay, c), _unit(ex, lay, c)) if own else (_unit(specs, lay, c),)
             cache[(kind, *key)] = (*_spec_numbers(specs, lay, c), us)
         lo, ga, a, us = cache[(kind, *key)]
         local, gathered, ag = local + lo * n, gathered + ga * n, ag + a * n

@@ -16,7 +16,7 @@ from moe.plan.hardware import GPUS, gpu_from_spec
 from moe.plan.layout import Layout, parse_layout
 from moe.plan.memory import TrainShape, fsdp_backward_peak, live_chunks, memory, peak_memory
 from moe.plan.search import check_layout, evaluate
-from moe.plan.shards import Unit, chunk, gathered_numel, rank_params, stage_layers, stage_specs
+from moe.plan.shards import Unit, chunk, gathered_numel, rank_params, stage_layers, stage_specs, stage_summary
 from moe.plan.time import model_flops_per_token, step_time
 
 
@@ -86,6 +86,23 @@ def test_fsdp_backward_peak_moments():
     moe = (("moe", 2, (Unit(outer), ex)),)
     assert fsdp_backward_peak(moe, root, 2) == 2 * (root + 2 * outer + 300 + 100) + 4 * 300
     assert fsdp_backward_peak((("dense", 4, (Unit(b),)),), 5000, 2) == 5000 * (2 + 4)
+
+
+def test_moe_block_on_one_ranks_experts_is_one_fsdp_unit():
+    """Without expert parallelism (ep=1, no etp) `parallelize_llama` shards an MoE block whole,
+    its experts with the attention and router: the backward prefetches the block before with its
+    experts, beside the last block's fp32 reduce-scatter input. The tracker measured 13,579 MiB
+    of FSDP buffers for two mixtral layers at tp=8, dp_shard=128 (docs/scale.md); with the experts
+    counted as a unit of their own the planner said 9,078. Under ep or etp they are their own."""
+    cfg = LlamaConfig.from_name("mixtral-8x7b", n_layers=2)
+    lay = Layout(tp=8, dp_shard=128)
+    ((kind, n, units),) = stage_summary(cfg, lay, 0, lay.coords(0)).units
+    assert (kind, n, len(units)) == ("moe", 2, 1)
+    fsdp = memory(cfg, lay, TrainShape(seq_len=4096, global_batch_tokens=4096 * 128), 0)["fsdp_buffers"]
+    assert 13579 << 20 <= fsdp <= 1.1 * (13579 << 20)
+    for other in (Layout(tp=8, etp=True, dp_shard=128), Layout(tp=8, ep=8, dp_shard=128)):
+        ((_, _, units),) = stage_summary(cfg, other, 0, other.coords(0)).units
+        assert len(units) == 2
 
 
 def test_gathered_numel_pads_like_fsdp2():
