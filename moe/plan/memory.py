@@ -12,7 +12,8 @@ Assumptions (stated once, the same for every layout):
   a unit's gather, the start of its post-backward, its reduce-scatter copy-in), sizes padded as
   FSDP2 pads them (`gathered_numel`), with the root's parameters (embedding, final norm, output)
   gathered throughout and the output projection's gradient (compute dtype) from its backward
-  on; an MoE block's experts are a unit of their own, inside the rest of the block. For uniform
+  on; an expert-parallel MoE block's experts are a unit of their own, inside the rest of the
+  block (without ep or etp the block is one unit, its experts with the rest). For uniform
   dense blocks: three blocks in compute dtype (the one running, its gradient, the one
   prefetched) and one in fp32 (the last reduce-scatter input, in flight). Under pipelining,
   torch.distributed.pipelining keeps gradients unsharded (no sync) and parameters unsharded
@@ -212,9 +213,9 @@ def fsdp_backward_peak(units: tuple, root: int, a: int, early: int = 0) -> int:
     module's gathered elements (held throughout), ``early`` those of its parameters whose
     gradient is made before the blocks' backward and kept, in compute dtype, until the root's
     post-backward (the final norm and the output projection), ``a`` the compute dtype's bytes,
-    and ``units`` `StageSummary.units`. The backward runs the blocks last to first; an MoE
-    block's outer unit (attention, norms, router) is gathered first and reduced last, its experts
-    in between.
+    and ``units`` `StageSummary.units`. The backward runs the blocks last to first; an
+    expert-parallel MoE block's outer unit (attention, norms, router) is gathered first and
+    reduced last, its experts in between (without ep or etp the block is one unit).
 
     - u's gather: its all-gather output and the unsharded parameters copied out of it, and for
       parameters sharded on a dim other than 0 a third copy (the dim-0 chunks concatenated back);
