@@ -145,11 +145,6 @@ def measure(
     ``dispatch="hierarchical"``). Runs in a fresh process (DTensor caches plans per mesh, and a
     second fake process group in one process would meet them), its address space capped at
     `ADDRESS_SPACE_CAP` so that a tensor made real by mistake fails instead of filling the host."""
-    if cfg.moe is not None and lay.ep == 1:
-        raise ValueError(
-            "the tracked step runs MoE layers under expert parallelism (ep > 1) only: on one rank the layer "
-            "reads its routing counts on the host, which FakeTensorMode cannot answer (docs/scale.md)"
-        )
     if cfg.moe is not None and "flat" != options.get("dispatch", lay.dispatch):
         raise ValueError(
             "the tracked step runs the flat expert-parallel dispatch only: the two-level one reads its "
@@ -174,6 +169,20 @@ def tracked_config(cfg: LlamaConfig) -> LlamaConfig:
     base = dataclasses.replace(m, router="base", router_options={"base_solver": "approx", "base_extras": "lowest"},
                                capacity_factor=None)  # fmt: skip
     return dataclasses.replace(cfg, moe=base)
+
+
+def _sync_free(model) -> None:
+    """BASE's routers of ``model`` read nothing back from the device. `parallelize_moe`'s static
+    path sets this on the expert-parallel layers; a layer on one rank's experts (ep=1 without
+    etp) is not given to it, and its router would check its input and report its stats on the
+    host, which FakeTensorMode cannot answer. The layer itself reads nothing: its loads are
+    the router's counts, used on the device."""
+    from ..layer import MoE
+    from ..routing.base import BaseRouter
+
+    for m in model.modules():
+        if isinstance(m, MoE) and isinstance(m.router, BaseRouter):
+            m.router.sync_free = True
 
 
 @contextlib.contextmanager
@@ -228,6 +237,7 @@ def _measure_here(
     lm = _mesh(lay, rank)
     try:
         model = _stage(cfg, lay, lm, shape, options)
+        _sync_free(model)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")  # no init: fake values are never read (and BASE's
             # orthogonal init of a sharded DTensor has no sharding rule for its in-place transpose)
@@ -428,6 +438,8 @@ CASES = [
     # MoE (routed by BASE's static path: `tracked_config`)
     Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512", n_layers=2),
     Case("mixtral-8x7b", "tp=2,ep=8,etp=1,dp_shard=512", n_layers=2),
+    Case("mixtral-8x7b", "tp=8,dp_shard=128", n_layers=2),  # ep=1: the experts in the block's unit
+    Case("mixtral-8x7b", "tp=8,etp=1,dp_shard=128", n_layers=2),
     Case("llama2-moe-1.2t", "tp=4,pp=16,ep=8,etp=1,dp_shard=16,reshard=0", pp_rank=1, n_layers=32, differs=_PIPE),
 ]
 # dropless routing at its worst: every token of the ep group to one rank's experts (not a case the

@@ -103,6 +103,9 @@ def test_cli_check_memory(capsys, tmp_path):
     assert main([*moe, "--layout", "ep=2,dp_shard=4"]) == 0
     out = capsys.readouterr().out
     assert "tracked step of rank 0" in out and "within the" in out
-    assert main([*moe, "--layout", "dp_shard=4"]) == 2  # refused in one line, not a traceback from the child
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "expert parallelism (ep > 1) only" in err[0]
+    assert main([*moe, "--layout", "dp_shard=4"]) == 0  # ep=1: the experts in the block's unit
+    out = capsys.readouterr().out
+    assert "tracked step of rank 0" in out and "within the" in out
+    assert main([*moe, "--layout", "ep=2,dp_shard=4,dispatch=hierarchical"]) == 2  # refused in one line,
+    err = capsys.readouterr().err.strip().splitlines()  # not a traceback from the child
+    assert len(err) == 1 and "flat expert-parallel dispatch only" in err[0]
