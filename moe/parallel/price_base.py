@@ -11,12 +11,18 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 
 1. a header (one max of 8 + 3W values): shapes, dtypes, which ranks' scores are invalid or not
    finite, the token counts, the scale. A bad input on one rank raises on every rank;
-2. the prices: damped Jacobi updates, one sum of E x 66 int32 counts each (`price_prices`);
-3. the margin: every token picks its K best under the prices; those ahead of the next choice
-   by less than a band are margin rows, the rest are fixed. One sum of E + W values (the fixed
-   tokens' loads, the margin rows per rank) and one gather of the margin rows (1 + K + E/2 words
-   each) give every rank the same residual problem, which each solves the same way: the greedy
-   fill into the room the fixed tokens leave, then exchange cycles (`moe.routing.exchange`);
+2. the prices: damped Jacobi updates, one sum of E x 18 int32 counts each (`price_prices`),
+   until the loads miss the capacities by at most E slots in all;
+3. the margin: every token picks its K best under the prices; those whose K-th choice is
+   ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
+   last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
+   (the fixed tokens' loads, the margin rows per rank, every token counted by its margin in
+   bins growing 2x) and one gather of the margin rows (1 + K + E/2 words each) give every rank
+   the same residual problem, which each solves the same way: the greedy fill into the room
+   the fixed tokens leave, then exchange cycles (`moe.routing.exchange`). Fewer than 2E rows
+   in the band widen it first, to the bin edge with enough below it (one more sum): so thin a
+   margin leaves the cycles too few moves to take up the loads' last misses, the certificate's
+   prices move far from the picks' and many fixed tokens fail;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain.
    Every rank checks its fixed tokens against them (one sum of W values); a token that fails
    joins the margin rows with its slots (one gather) and the cycles go on. When none fails, no
@@ -44,9 +50,10 @@ from .reduction import Reduction
 __all__ = ["PriceStats", "price_balanced_assignment"]
 
 _DTYPES = {torch.float32: 1, torch.float64: 2}
-BAND = 4.0  # the first margin band, in units of the last price move
-MIN_BAND = 1e-4
-TOL = 3e-4
+BAND = 1.0  # the first margin band, in units of the last price move
+MIN_BAND = 1e-6
+MIN_ROWS = 2  # per expert: a thinner margin leaves the cycles too few moves, and many fixed tokens fail
+GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
 
 @dataclass
@@ -170,8 +177,9 @@ def price_balanced_assignment(
     with torch.inference_mode():
         s_parts, starts = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
         caps = _Capacities(total, num_experts, k, extras, device)
-        tol = max(num_experts, int(TOL * total * k))
-        p, stats.price_updates, width = jacobi_prices(s_parts, caps, k, red, prices, max_iters=max_price_iters, tol=tol)
+        p, stats.price_updates, width = jacobi_prices(
+            s_parts, caps, k, red, prices, max_iters=max_price_iters, tol=num_experts
+        )
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles
@@ -225,22 +233,30 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     """Steps 3 and 4 of the module docstring. Returns (slots per shard, prices, certified)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
-    world = red.world
+    world, total = red.world, sum(sizes)
     p1 = p.to(dtype)[:, None]
     picks = [_pick(s, p1, k) for s in s_parts]
     band = max(BAND * width, MIN_BAND)
+    edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
     while True:  # the band grows until the fixed tokens leave room the margin rows can fill
         last = band > 4.0  # every token's margin is below 4 in [-1, 1] scores: the whole problem
         near = [m < band if not last else torch.ones_like(m, dtype=torch.bool) for _, m in picks]
         counts = []
-        for rank, (out, _), nr in zip(red.ranks, picks, near, strict=True):
-            c = torch.zeros(num_experts + world, dtype=torch.int64, device=out.device)
+        for rank, (out, m), nr in zip(red.ranks, picks, near, strict=True):
+            c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
             c.index_add_(0, out[~nr].flatten(), torch.ones_like(out[~nr].flatten()))
             c[num_experts + rank] = int(nr.sum())
+            by_gap = torch.bucketize(m, edges.to(m.device, m.dtype), right=True)  # i: below edges[i], not below i-1
+            c[num_experts + world :] = torch.bincount(by_gap, minlength=GAP_BINS + 1)
             counts.append(c)
         summed = red.sum(counts).cpu()
         room = cap.cpu() - summed[:num_experts]
-        m_sizes = summed[num_experts:].tolist()
+        m_sizes = summed[num_experts : num_experts + world].tolist()
+        want = min(MIN_ROWS * num_experts, total)
+        if sum(m_sizes) < want and not last:  # to the first edge with enough rows below it: one more count
+            below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
+            band = float(edges[int((below < want).sum())])
+            continue
         if bool((room >= 0).all()):
             rows = red.gather(
                 [

@@ -86,6 +86,23 @@ def test_larger_group_equals_the_single_process_solve(k):
     assert stats.margin_rows < sum(sizes) // 2  # the margin travels, not the scores
 
 
+def test_top_k_margin_is_a_thin_share():
+    """K = 8 of E = 32 (a token's 8th and 9th choices lie close): the band follows the prices'
+    accuracy, so few tokens travel, and the result is the single-process solver's. Warm from
+    the returned prices no update runs and the band widens at once to enough rows."""
+    sizes = [256 + 13 * i for i in range(16)]
+    x = make_scores(5, sum(sizes), 32, "gauss", torch.float32)
+    ref = same_order(balanced_assignment(x, 8))
+    cold, prices, stats = solve_simulated(x, sizes, 8, "best")
+    assert torch.equal(same_order(cold), ref)
+    assert stats.margin_rows <= 0.05 * sum(sizes)  # 10.5% with a band of 4 price moves, at least 1e-4
+    warm, _, warm_stats = solve_simulated(x, sizes, 8, "best", prices)
+    assert torch.equal(same_order(warm), ref)
+    assert warm_stats.price_updates == 0
+    assert 2 * 32 <= warm_stats.margin_rows <= 0.05 * sum(sizes)
+    assert warm_stats.rounds < stats.rounds
+
+
 def test_bad_input_on_one_rank_raises_for_all():
     x = make_scores(0, 20, 4, "gauss")
     parts = split(x, [10, 10])
