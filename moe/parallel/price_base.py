@@ -231,7 +231,7 @@ def _rows(s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, start: int,
     """The rows that travel for tokens ``local`` and the columns they carry (E, n) bool. A row
     holds the global index, the slots, the ``cols`` best experts under the prices (its slots
     among them) as int16 four to a word, and their scores' bits (float32 two to a word):
-    1 + K + ceil(cols / 4) + ceil(cols / 2) int64 words."""
+    1 + K + ceil(cols / 4) + ceil(cols / 2) int64 words; with every column, no experts."""
     num_experts = s_ET.shape[0]
     s = s_ET.index_select(1, local)
     held = out_TK.index_select(0, local)
@@ -243,16 +243,18 @@ def _rows(s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, start: int,
     sent = torch.zeros_like(s, dtype=torch.bool).scatter_(0, idx.T, True)
     vals = s.T.gather(1, idx)
     bits = _words(vals, 2 if vals.dtype == torch.float32 else 1)
-    return torch.cat([(local + start)[:, None], held, _words(idx.to(torch.int16), 4), bits], dim=1), sent
+    experts = _words(idx.to(torch.int16), 4)[:, : 0 if cols == num_experts else None]
+    return torch.cat([(local + start)[:, None], held, experts, bits], dim=1), sent
 
 
 def _unpack(rows: Tensor, k: int, dtype, num_experts: int, cols: int) -> tuple[Tensor, Tensor, Tensor]:
     """`_rows` back: global indices (n,), slots (n, K), scores (E, n), ``UNSENT`` where a row
     carries no column."""
-    n_idx = -(-cols // 4)
-    idx = _from_words(rows[:, 1 + k : 1 + k + n_idx], torch.int16, cols).long()
-    vals = _from_words(rows[:, 1 + k + n_idx :], dtype, cols)
-    s = torch.full((rows.shape[0], num_experts), UNSENT, dtype=dtype).scatter_(1, idx, vals)
+    n_idx = 0 if cols == num_experts else -(-cols // 4)
+    s = _from_words(rows[:, 1 + k + n_idx :], dtype, cols)
+    if n_idx:
+        idx = _from_words(rows[:, 1 + k : 1 + k + n_idx], torch.int16, cols).long()
+        s = torch.full((rows.shape[0], num_experts), UNSENT, dtype=dtype).scatter_(1, idx, s)
     return rows[:, 0], rows[:, 1 : 1 + k], s.T.contiguous()
 
 
