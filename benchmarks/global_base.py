@@ -3,7 +3,9 @@
 Per (W, T, E, K, scores, cold or warm): the collectives (rounds), the values each rank receives
 (bytes, fp32 scores), the rows gathered at the margin, and the solve time, next to the bytes
 each rank receives on the gathered path (every rank's (T, E) fp32 scores). Rounds, bytes and
-margin rows are deterministic; the time is only meaningful on a quiet machine.
+margin rows are deterministic; the time is only meaningful on a quiet machine. ``--json``
+also writes, per solve, where its bytes went (``parts``: header, price updates, the margin's
+counts and rows, the certificate's), told apart by the collectives' sizes.
 
 Scores: ``random`` (Gaussian with a fixed per-expert offset, a fresh draw per step) or
 ``training`` (the router inputs of a tiny Llama-2-MoE with BASE layers, trained in-process for
@@ -23,7 +25,8 @@ import time
 
 import torch
 
-from moe.parallel.price_base import price_balanced_assignment
+from moe.parallel.price_base import GAP_BINS, price_balanced_assignment
+from moe.parallel.price_prices import BINS
 from moe.parallel.reduction import ShardReduce
 from moe.routing.balanced import assignment_score, balanced_assignment
 
@@ -76,6 +79,23 @@ def training_steps(world: int, tokens: int, experts: int, k: int, steps: int, se
         yield [s[: world * tokens] for s in seen]
 
 
+def bytes_by_part(log: list[tuple[str, int]], world: int, experts: int) -> dict[str, int]:
+    """Where one solve's bytes went, from its collectives (kind, values received): the header
+    (float64), the price updates (int32 histograms), the margin's counts and rows, the
+    certificate's counts and rows (int64)."""
+    out = dict.fromkeys(("header", "prices", "margin_counts", "margin_rows", "check_counts", "check_rows"), 0)
+    for kind, values in log:
+        if kind == "max":
+            out["header"] += 8 * values
+        elif kind == "sum" and values == experts * (BINS + 2):
+            out["prices"] += 4 * values
+        elif kind == "sum":
+            out["margin_counts" if values == experts + world + GAP_BINS + 1 else "check_counts"] += 8 * values
+        else:
+            out["check_rows" if out["margin_rows"] or out["check_counts"] else "margin_rows"] += 8 * values
+    return out
+
+
 def run(world: int, tokens: int, experts: int, k: int, scores: str, steps: int, check: bool) -> list[dict]:
     rows = []
     source = (
@@ -105,6 +125,7 @@ def run(world: int, tokens: int, experts: int, k: int, scores: str, steps: int, 
                         W=world, T=tokens, E=experts, K=k, scores=scores, mode=mode, step=step, layer=layer,
                         rounds=st.rounds, updates=st.price_updates, checks=st.checks, bytes=st.bytes,
                         margin_rows=st.margin_rows, gathered_bytes=world * tokens * experts * 4, seconds=seconds,
+                        parts=bytes_by_part(st.log, world, experts),
                     )
                 )  # fmt: skip
         del layers

@@ -118,6 +118,7 @@ def test_global_base_benchmark_rows_on_random_and_training_scores():
     for r in rows:
         assert r["rounds"] >= 4 and 0 < r["bytes"] and r["gathered_bytes"] == r["W"] * r["T"] * r["E"] * 4
         assert 0 <= r["margin_rows"] <= r["W"] * r["T"]
+        assert sum(r["parts"].values()) == r["bytes"] and r["parts"]["prices"] <= r["bytes"]
     assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))
 
 

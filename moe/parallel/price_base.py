@@ -11,21 +11,32 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 
 1. a header (one max of 8 + 3W values): shapes, dtypes, which ranks' scores are invalid or not
    finite, the token counts, the scale. A bad input on one rank raises on every rank;
-2. the prices: damped Jacobi updates, one sum of E x 66 int32 counts each (`price_prices`);
-3. the margin: every token picks its K best under the prices; those ahead of the next choice
-   by less than a band are margin rows, the rest are fixed. One sum of E + W values (the fixed
-   tokens' loads, the margin rows per rank) and one gather of the margin rows (1 + K + E/2 words
-   each) give every rank the same residual problem, which each solves the same way: the greedy
-   fill into the room the fixed tokens leave, then exchange cycles (`moe.routing.exchange`);
-4. the certificate: the cycles' final distances are prices under which no margin row can gain.
-   Every rank checks its fixed tokens against them (one sum of W values); a token that fails
-   joins the margin rows with its slots (one gather) and the cycles go on. When none fails, no
-   cycle over the whole group gains more than the tolerance: the optimality condition of the
-   transportation problem, as in the single-process solver (docs/routing.md).
+2. the prices: damped Jacobi updates, one sum of E x 18 int32 counts each (`price_prices`),
+   until the loads miss the capacities by at most E slots in all;
+3. the margin: every token picks its K best under the prices; those whose K-th choice is
+   ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
+   last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
+   (the fixed tokens' loads, the margin rows per rank, every token counted by its margin in
+   bins growing 2x) and one gather of the margin rows give every rank the same residual
+   problem, which each solves the same way: the greedy fill into the room the fixed tokens
+   leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 8 best
+   experts under the prices, not all E (1 + K + 3/4 (K + 8) words, against 1 + K + E/2 for
+   every column); the others count as ``UNSENT``, below every score. Fewer than 2E rows
+   in the band widen it first, to the bin edge with enough below it (one more sum): so thin a
+   margin leaves the cycles too few moves to take up the loads' last misses, the certificate's
+   prices move far from the picks' and many fixed tokens fail;
+4. the certificate: the cycles' final distances are prices under which no margin row can gain
+   on the columns it carries. Every rank checks its fixed tokens against them, and its margin
+   rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
+   joins the margin rows with its slots, a margin row that fails travels again with every
+   column (one gather), and the cycles go on. When none fails, no cycle over the whole group
+   gains more than the tolerance: the optimality condition of the transportation problem, as
+   in the single-process solver (docs/routing.md).
 
 Every step is a deterministic function of summed integers, maxima and gathered rows, so every
 rank computes the same result. Every loop is bounded: the bands grow geometrically to the
-whole problem (then the residual is the gathered problem), each certificate round adds a row.
+whole problem (then the residual is the gathered problem), each certificate round adds a row
+or completes one.
 """
 
 from __future__ import annotations
@@ -37,16 +48,19 @@ import torch
 from torch import Tensor
 
 from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern
-from ..routing.exchange import _Graph, violations
+from ..routing.exchange import _Graph, held_mask, violations
 from .price_prices import capacities, jacobi_prices
 from .reduction import Reduction
 
 __all__ = ["PriceStats", "price_balanced_assignment"]
 
 _DTYPES = {torch.float32: 1, torch.float64: 2}
-BAND = 4.0  # the first margin band, in units of the last price move
-MIN_BAND = 1e-4
-TOL = 3e-4
+BAND = 1.0  # the first margin band, in units of the last price move
+MIN_BAND = 1e-6
+MIN_ROWS = 2  # per expert: a thinner margin leaves the cycles too few moves, and many fixed tokens fail
+UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
+SENT = 8  # columns a margin row carries beyond its K slots: its best under the prices
+GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
 
 @dataclass
@@ -170,8 +184,9 @@ def price_balanced_assignment(
     with torch.inference_mode():
         s_parts, starts = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
         caps = _Capacities(total, num_experts, k, extras, device)
-        tol = max(num_experts, int(TOL * total * k))
-        p, stats.price_updates, width = jacobi_prices(s_parts, caps, k, red, prices, max_iters=max_price_iters, tol=tol)
+        p, stats.price_updates, width = jacobi_prices(
+            s_parts, caps, k, red, prices, max_iters=max_price_iters, tol=num_experts
+        )
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles
@@ -199,25 +214,47 @@ def _pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return idx[:k].T.contiguous(), vals[k - 1] - vals[k]
 
 
-def _rows(s_ET: Tensor, out_TK: Tensor, local: Tensor, start: int) -> Tensor:
-    """The rows that travel for tokens ``local``: (n, 1 + K + ceil(E / 2)) int64 words (the
-    global index, the slots, the scores' bits; float32 scores two to a word)."""
-    s = s_ET.index_select(1, local).T.contiguous()
-    if s.dtype == torch.float64:
-        bits = s.reshape(-1).view(torch.int64).view(s.shape)
-    else:
-        padded = torch.nn.functional.pad(s, (0, s.shape[1] % 2))  # flat views: a 1-row tensor may have any stride
-        bits = padded.reshape(-1).view(torch.int64).view(s.shape[0], padded.shape[1] // 2)
-    return torch.cat([(local + start)[:, None], out_TK.index_select(0, local), bits], dim=1)
+def _words(x: Tensor, per_word: int) -> Tensor:
+    """(n, c) values as (n, ceil(c / per_word)) int64 words, zero padded."""
+    padded = torch.nn.functional.pad(x, (0, -x.shape[1] % per_word))
+    words = padded.shape[1] // per_word
+    return padded.reshape(-1).view(torch.int64).view(x.shape[0], words)  # flat: a 1-row tensor may have any stride
 
 
-def _unpack(rows: Tensor, k: int, dtype, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`_rows` back: global indices (n,), slots (n, K), scores (E, n)."""
-    bits = rows[:, 1 + k :].contiguous()
-    if dtype == torch.float64:
-        s = bits.reshape(-1).view(torch.float64).view(bits.shape)
+def _from_words(w: Tensor, dtype, c: int) -> Tensor:
+    """`_words` back: (n, c) values of ``dtype``."""
+    per_word = 8 // torch.empty(0, dtype=dtype).element_size()
+    return w.contiguous().reshape(-1).view(dtype).view(w.shape[0], w.shape[1] * per_word)[:, :c]
+
+
+def _rows(s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, start: int, cols: int) -> tuple[Tensor, Tensor]:
+    """The rows that travel for tokens ``local`` and the columns they carry (E, n) bool. A row
+    holds the global index, the slots, the ``cols`` best experts under the prices (its slots
+    among them) as int16 four to a word, and their scores' bits (float32 two to a word):
+    1 + K + ceil(cols / 4) + ceil(cols / 2) int64 words; with every column, no experts."""
+    num_experts = s_ET.shape[0]
+    s = s_ET.index_select(1, local)
+    held = out_TK.index_select(0, local)
+    a = (s - p_E1).scatter_(0, held.T, float("inf"))  # the slots first
+    if cols < num_experts:
+        idx = torch.topk(a, cols, dim=0).indices.T
     else:
-        s = bits.reshape(-1).view(torch.float32).view(bits.shape[0], 2 * bits.shape[1])[:, :num_experts]
+        idx = torch.arange(num_experts, device=s.device).expand(s.shape[1], -1)
+    sent = torch.zeros_like(s, dtype=torch.bool).scatter_(0, idx.T, True)
+    vals = s.T.gather(1, idx)
+    bits = _words(vals, 2 if vals.dtype == torch.float32 else 1)
+    experts = _words(idx.to(torch.int16), 4)[:, : 0 if cols == num_experts else None]
+    return torch.cat([(local + start)[:, None], held, experts, bits], dim=1), sent
+
+
+def _unpack(rows: Tensor, k: int, dtype, num_experts: int, cols: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`_rows` back: global indices (n,), slots (n, K), scores (E, n), ``UNSENT`` where a row
+    carries no column."""
+    n_idx = 0 if cols == num_experts else -(-cols // 4)
+    s = _from_words(rows[:, 1 + k + n_idx :], dtype, cols)
+    if n_idx:
+        idx = _from_words(rows[:, 1 + k : 1 + k + n_idx], torch.int16, cols).long()
+        s = torch.full((rows.shape[0], num_experts), UNSENT, dtype=dtype).scatter_(1, idx, s)
     return rows[:, 0], rows[:, 1 : 1 + k], s.T.contiguous()
 
 
@@ -225,31 +262,38 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     """Steps 3 and 4 of the module docstring. Returns (slots per shard, prices, certified)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
-    world = red.world
+    world, total = red.world, sum(sizes)
     p1 = p.to(dtype)[:, None]
     picks = [_pick(s, p1, k) for s in s_parts]
+    cols = min(num_experts, k + SENT)
     band = max(BAND * width, MIN_BAND)
+    edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
     while True:  # the band grows until the fixed tokens leave room the margin rows can fill
         last = band > 4.0  # every token's margin is below 4 in [-1, 1] scores: the whole problem
         near = [m < band if not last else torch.ones_like(m, dtype=torch.bool) for _, m in picks]
         counts = []
-        for rank, (out, _), nr in zip(red.ranks, picks, near, strict=True):
-            c = torch.zeros(num_experts + world, dtype=torch.int64, device=out.device)
+        for rank, (out, m), nr in zip(red.ranks, picks, near, strict=True):
+            c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
             c.index_add_(0, out[~nr].flatten(), torch.ones_like(out[~nr].flatten()))
             c[num_experts + rank] = int(nr.sum())
+            by_gap = torch.bucketize(m, edges.to(m.device, m.dtype), right=True)  # i: below edges[i], not below i-1
+            c[num_experts + world :] = torch.bincount(by_gap, minlength=GAP_BINS + 1)
             counts.append(c)
         summed = red.sum(counts).cpu()
         room = cap.cpu() - summed[:num_experts]
-        m_sizes = summed[num_experts:].tolist()
+        m_sizes = summed[num_experts : num_experts + world].tolist()
+        want = min(MIN_ROWS * num_experts, total)
+        if sum(m_sizes) < want and not last:  # to the first edge with enough rows below it: one more count
+            below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
+            band = float(edges[int((below < want).sum())])
+            continue
         if bool((room >= 0).all()):
-            rows = red.gather(
-                [
-                    _rows(s, out, nr.nonzero().flatten(), st)
-                    for s, (out, _), nr, st in zip(s_parts, picks, near, starts, strict=True)
-                ],
-                m_sizes,
-            ).cpu()
-            ids, _, s_res = _unpack(rows, k, dtype, num_experts)
+            made = [
+                _rows(s, p1, out, nr.nonzero().flatten(), st, cols)
+                for s, (out, _), nr, st in zip(s_parts, picks, near, starts, strict=True)
+            ]
+            rows = red.gather([r for r, _ in made], m_sizes).cpu()
+            ids, _, s_res = _unpack(rows, k, dtype, num_experts, cols)
             slots = torch.full((ids.numel(), k), -1, dtype=torch.int64)
             try:
                 _fill(s_res, slots, room, p.to(dtype).cpu())
@@ -262,6 +306,10 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     stats.margin_rows = ids.numel()
     extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
     fixed = [(~nr) for nr in near]
+    sent = []  # (E, T) per shard: the columns its gathered rows carry
+    for s, nr, (_, got) in zip(s_parts, near, made, strict=True):
+        sent.append(torch.zeros_like(s, dtype=torch.bool))
+        sent[-1][:, nr] = got
     outs = [out.clone() for out, _ in picks]
     applied, ok = 0, False
     start = p.cpu().numpy().astype(s_res.numpy().dtype)
@@ -280,35 +328,61 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             break
         _write(outs, ids, slots, starts, sizes, red)
         q = prices.to(dtype).to(s_parts[0].device)
-        bad = []
-        for s, out, fx in zip(s_parts, outs, fixed, strict=True):
+        bad, short = [], []  # fixed tokens that fail; gathered rows whose missing columns fail
+        for s, out, fx, sn in zip(s_parts, outs, fixed, sent, strict=True):
             local = fx.nonzero().flatten()
+            part = (~sn.all(0) & ~fx).nonzero().flatten()
             if check == 63:
                 bad.append(local)
+                short.append(part)
                 continue
             bad.append(local[violations(s.index_select(1, local), q, out.index_select(0, local), delta)])
+            short.append(part[_short(s.index_select(1, part), q, out.index_select(0, part), sn[:, part], delta)])
         counts = []
-        for rank, b in zip(red.ranks, bad, strict=True):
-            c = torch.zeros(world, dtype=torch.int64, device=b.device)
-            c[rank] = b.numel()
+        for rank, b, sh in zip(red.ranks, bad, short, strict=True):
+            c = torch.zeros(2 * world, dtype=torch.int64, device=b.device)
+            c[rank], c[world + rank] = b.numel(), sh.numel()
             counts.append(c)
-        b_sizes = red.sum(counts).cpu().tolist()
+        summed = red.sum(counts).cpu()
+        b_sizes = (summed[:world] + summed[world:]).tolist()
         if sum(b_sizes) == 0:
             ok = True
             break
-        more = red.gather(
-            [_rows(s, out, b, st) for s, out, b, st in zip(s_parts, outs, bad, starts, strict=True)], b_sizes
-        ).cpu()
-        for fx, b in zip(fixed, bad, strict=True):
+        width = num_experts if bool(summed[world:].any()) else cols  # a short row comes back whole
+        made = [
+            _rows(s, q[:, None], out, torch.cat([b, sh]), st, width)  # their best under the new prices
+            for s, out, b, sh, st in zip(s_parts, outs, bad, short, starts, strict=True)
+        ]
+        more = red.gather([r for r, _ in made], b_sizes).cpu()
+        for fx, sn, b, sh, (_, got) in zip(fixed, sent, bad, short, made, strict=True):
             fx[b] = False
-        new_ids, new_slots, new_s = _unpack(more, k, dtype, num_experts)
-        ids, slots, s_res = torch.cat([ids, new_ids]), torch.cat([slots, new_slots]), torch.cat([s_res, new_s], 1)
+            sn[:, torch.cat([b, sh])] = got
+        new_ids, new_slots, new_s = _unpack(more, k, dtype, num_experts, width)
+        at = {int(i): j for j, i in enumerate(ids.tolist())}
+        again = torch.tensor([at.get(int(i), -1) for i in new_ids.tolist()], dtype=torch.int64)
+        old = again >= 0
+        s_res[:, again[old]] = new_s[:, old]  # their slots are the ones held already
+        new = ~old
+        ids = torch.cat([ids, new_ids[new]])
+        slots = torch.cat([slots, new_slots[new]])
+        s_res = torch.cat([s_res, new_s[:, new]], 1)
         if extra is not None:
             extra = graph.extra
         stats.margin_rows = ids.numel()
     _write(outs, ids, slots, starts, sizes, red)
     shift = prices - prices.mean()
     return outs, shift, ok
+
+
+def _short(s_ET: Tensor, q_E: Tensor, out_TK: Tensor, sent_ET: Tensor, delta: float) -> Tensor:
+    """Which gathered rows the certificate cannot pass on the columns they carry: a slot at a
+    column not carried, or a column not carried that beats the worst slot by more than
+    ``delta`` under the prices ``q`` (the carried ones passed in the cycles)."""
+    a = s_ET - q_E.view(-1, 1)
+    held = held_mask(out_TK, s_ET.shape[0])
+    worst_held = torch.where(held, a, float("inf")).amin(dim=0)
+    best_missing = torch.where(sent_ET, float("-inf"), a).amax(dim=0)
+    return torch.nonzero((held & ~sent_ET).any(0) | (best_missing - worst_held > delta)).flatten()
 
 
 def _write(outs, ids, slots, starts, sizes, red) -> None:

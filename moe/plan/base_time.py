@@ -5,10 +5,11 @@ collective's latency, plus the bytes each rank receives over the ep group's band
 Legend: W ep ranks, T tokens per rank, E experts, K experts per token.
 
 What a solve sends (docs/benchmarks.md, "Global BASE by prices", measured on simulated ranks):
-a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 66 E int32
-each), the margin's counts (E + W int64) and rows (every rank receives all of them: a share
-`margin` of the group's W T tokens, 1 + K + ceil(E / 2) int64 words each) and one certificate
-check (W int64). Rounds: 4 + `PRICE_UPDATES`, 9-12 measured on random scores at W = 8 and 64.
+a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E int32
+each), the margin's counts (E + W + 33 int64) and rows (every rank receives all of them: a
+share `margin_share` of the group's W T tokens, at least 2E, each with its K + 8 best experts:
+1 + K + ceil((K + 8) / 4) + ceil((K + 8) / 2) int64 words) and two certificate checks (2W
+int64 each). Rounds: 6 + `PRICE_UPDATES`, 10-17 measured on random scores at W = 64.
 
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
 all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, and the rank's
@@ -27,7 +28,7 @@ from .layout import Layout
 
 __all__ = ["PRICE_UPDATES", "ROUND_LATENCY_S", "global_base_bytes", "global_base_s", "uses_global_base"]
 
-PRICE_UPDATES = 8  # 12 rounds measured (9-12): these, plus header, margin counts and rows, certificate
+PRICE_UPDATES = 8  # 6-10 measured at W = 64, K = 1 and 8, E = 64 and 256
 ROUND_LATENCY_S = 50e-6
 PASSES = 2 * PRICE_UPDATES + 4  # a histogram pass and a pick per update, the normalisation, the margin
 
@@ -38,9 +39,9 @@ def uses_global_base(cfg: LlamaConfig, lay: Layout) -> bool:
 
 
 def margin_share(experts: int) -> float:
-    """Share of the tokens gathered at the margin: 0.34-0.47% at E = 64 and 1.15-1.52% at E = 256
-    measured at W = 64 (the largest of them here); in between by E."""
-    return 0.005 if experts <= 64 else 0.015 if experts >= 256 else 0.005 + 0.010 * (experts - 64) / 192
+    """Share of the tokens gathered at the margin: 0.08-0.12% at E = 64 and 0.3-0.5% at E = 256
+    measured at W = 64, K = 1 and 8; in between by E."""
+    return 0.0012 if experts <= 64 else 0.005 if experts >= 256 else 0.0012 + 0.0038 * (experts - 64) / 192
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
@@ -48,15 +49,16 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     W, E, K = lay.ep, cfg.moe.num_experts, cfg.moe.top_k
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
     header = reduce * (8 + 3 * W) * 8
-    prices = PRICE_UPDATES * reduce * 66 * E * 4
-    counts = reduce * (E + W) * 8
-    rows = margin_share(E) * W * tokens * (1 + K + ceil(E / 2)) * 8
-    certificate = reduce * W * 8
+    prices = PRICE_UPDATES * reduce * 18 * E * 4
+    counts = reduce * (E + W + 33) * 8
+    cols = min(E, K + 8)
+    rows = max(margin_share(E) * W * tokens, 2 * E) * (1 + K + ceil(cols / 4) + ceil(cols / 2)) * 8
+    certificate = 2 * reduce * 2 * W * 8
     return header + prices + counts + rows + certificate
 
 
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
-    rounds = PRICE_UPDATES + 4
+    rounds = PRICE_UPDATES + 6
     local = PASSES * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

@@ -2,12 +2,15 @@
 process against the single-process solve of the stacked problem (and scipy on small cases),
 then the same code over gloo against the gathered path."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from moe.parallel import price_base
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
@@ -84,6 +87,47 @@ def test_larger_group_equals_the_single_process_solve(k):
     assert torch.equal(same_order(warm), ref)
     assert warm_stats.price_updates == 0 and warm_stats.rounds < stats.rounds
     assert stats.margin_rows < sum(sizes) // 2  # the margin travels, not the scores
+
+
+def test_top_k_margin_is_a_thin_share():
+    """K = 8 of E = 32 (a token's 8th and 9th choices lie close): the band follows the prices'
+    accuracy, so few tokens travel, and the result is the single-process solver's. Warm from
+    the returned prices no update runs and the band widens at once to enough rows."""
+    sizes = [256 + 13 * i for i in range(16)]
+    x = make_scores(5, sum(sizes), 32, "gauss", torch.float32)
+    ref = same_order(balanced_assignment(x, 8))
+    cold, prices, stats = solve_simulated(x, sizes, 8, "best")
+    assert torch.equal(same_order(cold), ref)
+    assert stats.margin_rows <= 0.05 * sum(sizes)  # 10.5% with a band of 4 price moves, at least 1e-4
+    warm, _, warm_stats = solve_simulated(x, sizes, 8, "best", prices)
+    assert torch.equal(same_order(warm), ref)
+    assert warm_stats.price_updates == 0
+    assert 2 * 32 <= warm_stats.margin_rows <= 0.05 * sum(sizes)
+    assert warm_stats.rounds < stats.rounds
+
+
+@given(
+    sizes=sizes_st,
+    e=st.integers(4, 14),
+    k=st.integers(1, 3),
+    kind=st.sampled_from(["gauss", "int", "equal"]),
+    extras=st.sampled_from(["best", "lowest"]),
+    seed=st.integers(0, 2**16),
+    sent=st.integers(0, 2),
+)
+@example(sizes=[12, 12, 12, 12], e=14, k=2, kind="gauss", extras="best", seed=3, sent=0)
+def test_rows_short_of_columns_come_back_whole(sizes, e, k, kind, extras, seed, sent):
+    """Margin rows carrying only their slots and ``sent`` more columns: the certificate finds
+    the rows whose missing columns could gain, they travel again with every column, and the
+    result is the single-process solver's optimum."""
+    total = sum(sizes)
+    x = make_scores(seed, total, e, kind)
+    with mock.patch.object(price_base, "SENT", sent):
+        got, _, stats = solve_simulated(x, sizes, k, extras)
+    check_feasible(got, total, e, k, extras)
+    ref = balanced_assignment(x, k, extras=extras)
+    assert abs(float(assignment_score(x, got) - assignment_score(x, ref))) <= 2 * bound(x, k)
+    assert stats.margin_rows <= total
 
 
 def test_bad_input_on_one_rank_raises_for_all():
