@@ -149,6 +149,34 @@ def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32):
     )
 
 
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def profile_point(t, d, f, e, k, only, steps: int = 5) -> list[str]:
+    """Where a forward + backward's time goes, per contender: torch.profiler's self CPU time per
+    step, split into the GEMMs and everything else, and the aten calls (after 3 warm-up steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    x = torch.randn(t, d)
+    lines = []
+    for name, make in CONTENDERS.items():
+        if only and name not in only:
+            continue
+        run, module = make(d, f, e, k)
+        for _ in range(3):
+            _step(run, module, x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                _step(run, module, x)
+        events = prof.key_averages()
+        total = sum(ev.self_cpu_time_total for ev in events) / steps / 1e3
+        gemm = sum(ev.self_cpu_time_total for ev in events if ev.key in GEMMS) / steps / 1e3
+        calls = sum(ev.count for ev in events if ev.key.startswith("aten::")) / steps
+        lines.append(f"| {name} | {total:.1f} | {gemm:.1f} | {total - gemm:.1f} | {calls:.0f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", nargs="+", default=["small"], choices=sorted(POINTS))
@@ -158,12 +186,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--only", nargs="+", default=None, choices=sorted(CONTENDERS), help="these contenders only")
+    ap.add_argument("--profile", action="store_true", help="with one point: where each contender's time goes")
     args = ap.parse_args(argv)
     one = (args.T, args.D, args.F, args.E, args.K)
     if any(v is not None for v in one) and None in one:
         ap.error("one point needs all of --T --D --F --E --K")
     points = [one] if None not in one else [p for name in args.points for p in POINTS[name]]
     meta = run_meta("benchmarks.layer_grid", argv, torch.device(args.device))
+    if args.profile:
+        if None in one or args.device != "cpu":
+            ap.error("--profile takes one point (--T --D --F --E --K) on the CPU")
+        print(f"`{meta['command']}`: {meta['threads']} threads, {meta['date']}, load before {os.getloadavg()[0]:.2f}\n")
+        print("| contender | self CPU ms a step | GEMMs | the rest | aten calls |\n|---|---:|---:|---:|---:|")
+        print("\n".join(profile_point(*one, args.only)))
+        print(f"\nload after {os.getloadavg()[0]:.2f}")
+        return
     print(
         f"`{meta['command']}`: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, {meta['date']}, "
         f"load before {os.getloadavg()[0]:.2f}; median ms of {args.repeats} (min-max), forward + backward\n"

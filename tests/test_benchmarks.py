@@ -1,5 +1,6 @@
 """The benchmark scripts run and report what they claim, at tiny sizes (no timings asserted)."""
 
+import pytest
 import torch
 
 from benchmarks import grouped_gemm, routing
@@ -93,6 +94,16 @@ def test_layer_grid_point_has_every_contender_and_the_ratios():
     ours_vs_titan, ours_vs_megatron, ours_vs_dense, base_vs_dense = (c for c in cells[-4:])
     assert ours_vs_megatron == "-" and float(ours_vs_titan) > 0 and float(ours_vs_dense) > 0
     assert float(base_vs_dense) > 0
+
+
+def test_layer_grid_profile_splits_each_contenders_time():
+    from benchmarks import layer_grid
+
+    lines = layer_grid.profile_point(64, 16, 32, 4, 2, only=["ours", layer_grid.DENSE], steps=1)
+    assert [line.split("|")[1].strip() for line in lines] == ["ours", layer_grid.DENSE]
+    for line in lines:
+        total, gemm, rest, calls = (float(c) for c in line.strip("|").split("|")[1:])
+        assert 0 < gemm <= total and rest == pytest.approx(total - gemm, abs=0.06) and calls > 0
 
 
 def test_base_solvers_reads_fairseqs_answer_back_per_token():
