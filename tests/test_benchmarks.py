@@ -103,7 +103,7 @@ def test_layer_grid_profile_splits_each_contenders_time():
     assert [line.split("|")[1].strip() for line in lines] == ["ours", layer_grid.DENSE]
     for line in lines:
         total, gemm, rest, calls = (float(c) for c in line.strip("|").split("|")[1:])
-        assert 0 < gemm <= total and rest == pytest.approx(total - gemm, abs=0.06) and calls > 0
+        assert 0 < gemm <= total and rest == pytest.approx(total - gemm, abs=0.11) and calls > 0
 
 
 def test_base_solvers_reads_fairseqs_answer_back_per_token():
