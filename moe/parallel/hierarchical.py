@@ -202,25 +202,24 @@ class HierarchicalDispatcher(FlatDispatcher):
         # the count exchange, over the whole ep group (`Agreement.relay` meets it with -1s)
         sent_WX = sent_NX.repeat_interleave(P, dim=0)
         got_WX = all_to_all(sent_WX.view(-1), [width] * self.ep_size, [width] * self.ep_size, self.ep_group)
-        table = torch.cat([got_WX, sent_NX[:, 0]]).tolist()  # the one host sync: every split
-        got = [table[w * width : (w + 1) * width] for w in range(self.ep_size)]
-        raise_if_peers_failed([min(row) for row in got], self.ep_group, "dispatch")
-        send = table[self.ep_size * width :]
-        recv = [got[n * P + self.local_rank][0] for n in range(N)]
+        got_NPX = got_WX.view(N, P, width)
+        # per local rank l, chunk and node-local expert: the slots l relays, summed over the nodes
+        relayed_PCE = got_NPX[:, :, 1:].sum(dim=0).view(P, chunks, per_node)
+        heads = [got_NPX[:, :, 0].reshape(-1), sent_NX[:, 0], relayed_PCE.reshape(-1)]
+        table = torch.cat(heads).tolist()  # the one host sync: every split
+        W = self.ep_size
+        raise_if_peers_failed(table[:W], self.ep_group, "dispatch")  # a failed rank sends -1 everywhere
+        send = table[W : W + N]
+        recv = [table[n * P + self.local_rank] for n in range(N)]
         self.last_internode_rows = sum(send) - send[self.node]
-        # per chunk, slots of node-local expert e relayed by local rank l: summed over the nodes
-        relayed = [
-            [
-                [sum(got[n * P + rank][1 + c * per_node + e] for n in range(N)) for e in range(per_node)]
-                for rank in range(P)
-            ]
-            for c in range(chunks)
-        ]
-        mine = slice(self.local_rank * per_rank, (self.local_rank + 1) * per_rank)
-        node_send = [
-            [row[r * per_rank : (r + 1) * per_rank] for r in range(P)] for row in (c[self.local_rank] for c in relayed)
-        ]
-        node_recv = [[c[rank][mine] for rank in range(P)] for c in relayed]
+        relayed = [table[W + N + r * chunks * per_node :][: chunks * per_node] for r in range(P)]
+
+        def block(rank: int, c: int, dest: int) -> list[int]:  # slots relayed by rank, chunk c, to dest
+            start = c * per_node + dest * per_rank
+            return relayed[rank][start : start + per_rank]
+
+        node_send = [[block(self.local_rank, c, r) for r in range(P)] for c in range(chunks)]
+        node_recv = [[block(r, c, self.local_rank) for r in range(P)] for c in range(chunks)]
 
         # stage 1: each pair's vector once, its gates for that node's slots beside it
         pair_node, pair_token = torch.nonzero_static(hit_NT, size=sum(send)).unbind(1)  # no sync: the size is known
