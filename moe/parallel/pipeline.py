@@ -1,13 +1,15 @@
 """`pipeline_llama`: cut a `Llama` into pipeline stages on the mesh's ``pp`` dimension, lay
 each stage out with `parallelize_llama`, and drive them with a `torch.distributed.pipelining`
-schedule (GPipe, 1F1B or interleaved 1F1B with virtual stages).
+schedule (GPipe, 1F1B, interleaved 1F1B with virtual stages, or DualPipeV, whose paired steps
+run one micro-batch's forward and another's backward layer by layer: `moe.parallel.paired`).
 
 Legend: P pipeline ranks, V stages per rank (virtual stages), N = P * V stages, M micro-batches,
 L layers.
 
 Stages are balanced by layer count: stage s takes the s-th of N contiguous runs of layers
 (the first L mod N runs one longer); the embedding goes with the first stage, the final norm
-and output projection with the last. Interleaved 1F1B puts stages r, r + P, ... on rank r.
+and output projection with the last. Interleaved 1F1B puts stages r, r + P, ... on rank r;
+DualPipeV puts stages r and 2P - 1 - r on rank r (a V: rank P - 1 holds the middle two).
 
 The router losses of a stage's MoE layers reach the gradient exactly once per micro-batch:
 `_AttachLoss` returns the stage's output unchanged and, in backward, hands the stage's router
@@ -30,14 +32,27 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
 from .layout import LlamaMesh
 from .llama import check_agreement, parallelize_llama, router_loss
+from .paired import DualPipeVFullBackward, PairedForwardBackward
 
 __all__ = ["SCHEDULES", "LlamaPipeline", "pipeline_llama", "stage_layers"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "dualpipev": DualPipeVFullBackward,
+}
+MULTI_STAGE = ("interleaved_1f1b", "dualpipev")  # the schedules that take V >= 2 stages per rank
 
 
 def stage_layers(layer_names: list[str], num_stages: int) -> list[list[str]]:
@@ -63,7 +78,10 @@ class _AttachLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, loss: Tensor) -> Tensor:
         ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
-        return out
+        # a new tensor on out's storage, not out itself: an input returned as it came is made a
+        # view of it, and a stage's output must not be one (the zero-bubble backward input
+        # pass of DualPipeV detaches the stage's outputs in place)
+        return out.detach()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -88,6 +106,7 @@ class LlamaPipeline:
     shape: tuple | None = None  # (B, S) of the batch the stages were built for
     lm_loss: Tensor | None = None  # the last step's cross entropy and router losses, as `step` reports them
     aux_loss: Tensor | None = None
+    paired: PairedForwardBackward | None = None  # DualPipeV's paired forward and backward
 
     def _build(self, tokens_BS: Tensor) -> None:
         """Make the stages for this batch shape, their inputs and outputs given so the schedule
@@ -105,8 +124,13 @@ class LlamaPipeline:
                 PipelineStage(part, index, self.num_stages, dev, input_args=inputs, output_args=outputs, group=group)
             )
         kind = SCHEDULES[self.schedule_kind]
-        interleaved = self.schedule_kind == "interleaved_1f1b"
-        self.schedule = kind(self.stages if interleaved else self.stages[0], self.microbatches, loss_fn=_cross_entropy)
+        multi = self.schedule_kind in MULTI_STAGE
+        self.schedule = kind(self.stages if multi else self.stages[0], self.microbatches, loss_fn=_cross_entropy)
+        if self.schedule_kind == "dualpipev":
+            self.paired = PairedForwardBackward(self.stages, dev)
+            for part in self.models:
+                self.paired.attach(part, _turn_point)
+            self.schedule.register_custom_function(OVERLAP_F_B, self.paired)
         self.shape = (b, s)
 
     @property
@@ -210,28 +234,33 @@ def pipeline_llama(
     each out with `parallelize_llama(stage, mesh, **options)` and build the schedule.
 
     Args:
-        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
+        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "dualpipev".
         microbatches: M, per data-parallel rank and step.
-        stages_per_rank: V; 1 by default, 2 for "interleaved_1f1b" (which needs V >= 2).
+        stages_per_rank: V; 1 by default, 2 for "interleaved_1f1b" (which needs V >= 2) and
+            "dualpipev" (which takes exactly 2).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     if options.get("loss_parallel"):
         raise ValueError("loss_parallel is not supported with pipeline stages; the last stage gathers the logits")
-    interleaved = schedule == "interleaved_1f1b"
-    virtual = stages_per_rank if stages_per_rank is not None else (2 if interleaved else 1)
-    if (virtual >= 2) != interleaved:
-        raise ValueError(f"stages_per_rank={virtual}: interleaved_1f1b needs >= 2, gpipe and 1f1b take 1")
+    multi = schedule in MULTI_STAGE
+    virtual = stages_per_rank if stages_per_rank is not None else (2 if multi else 1)
+    if (virtual >= 2) != multi or (schedule == "dualpipev" and virtual != 2):
+        raise ValueError(
+            f"stages_per_rank={virtual}: interleaved_1f1b needs >= 2, dualpipev takes 2, gpipe and 1f1b take 1"
+        )
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
     lm = mesh if isinstance(mesh, LlamaMesh) else LlamaMesh.build(mesh, ep=ep, names=names)
     agreed = dict(config=repr(model.config), schedule=schedule, microbatches=microbatches, virtual=virtual)
     check_agreement("pipeline_llama", agreed | {"options": repr(sorted(options.items()))})
     pp, rank = lm.pp, lm.world["pp"].get_local_rank()
-    if interleaved and microbatches % pp:
+    if schedule == "interleaved_1f1b" and microbatches % pp:
         raise ValueError(f"interleaved_1f1b needs microbatches ({microbatches}) divisible by pp ({pp})")
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise ValueError(f"dualpipev needs microbatches ({microbatches}) >= its 2 x pp = {2 * pp} stages")
     runs = stage_layers(list(model.layers.keys()), pp * virtual)
-    mine = [rank + v * pp for v in range(virtual)]
+    mine = [rank, 2 * pp - 1 - rank] if schedule == "dualpipev" else [rank + v * pp for v in range(virtual)]
     mp = options.get("mp_policy")
     dtype = mp.param_dtype if mp is not None and mp.param_dtype is not None else next(model.parameters()).dtype
     pipe = LlamaPipeline(
@@ -251,6 +280,15 @@ def pipeline_llama(
         parallelize_llama(part, lm, ep=lm.ep, **options)
         pipe.models.append(part)
     return pipe
+
+
+def _turn_point(module: nn.Module) -> bool:
+    """Where DualPipeV's paired forward and backward take turns: at each decoder layer and at
+    each MoE layer inside it (its dispatch is where the all-to-all starts)."""
+    from ..layer import MoE
+    from ..models.llama.model import TransformerBlock
+
+    return isinstance(module, (TransformerBlock, MoE))
 
 
 def _attach_router_loss(pipe: LlamaPipeline):

@@ -129,10 +129,9 @@ def run_parallel(cfg: LlamaConfig, mesh, what: str, **options) -> None:
     check_params(what, dict(model.named_parameters()), expect)
 
 
-def run_pipeline(
-    cfg: LlamaConfig, mesh, what: str, *, schedule: str, microbatches: int, ep: int = 1, **options
-) -> None:
-    """STEPS steps through pipeline_llama equal the one-process reference with Dp x M chunks."""
+def run_pipeline(cfg: LlamaConfig, mesh, what: str, *, schedule: str, microbatches: int, ep: int = 1, **options):
+    """STEPS steps through pipeline_llama equal the one-process reference with Dp x M chunks;
+    returns the pipeline."""
     from moe.parallel import LlamaMesh, pipeline_llama
 
     lm = mesh if isinstance(mesh, LlamaMesh) else LlamaMesh.build(mesh, ep=ep)
@@ -152,3 +151,4 @@ def run_pipeline(
     check_losses(what, losses, expect_losses)
     mine = dict(pipe.named_parameters())
     check_params(what, mine, {n: expect[n] for n in map(strip, mine)}, complete=False)
+    return pipe

@@ -107,6 +107,40 @@ def test_pipeline_interleaved():
     spawn(pipeline_layouts, 2, [("interleaved_1f1b", 4)])
 
 
+def _paired_steps(pipe, rank: int) -> int:
+    """The schedule's paired forward/backward actions of this pp rank in one step."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    order = pipe.schedule.pipeline_order[rank]
+    return sum(a is not None and a.computation_type == OVERLAP_F_B for a in order)
+
+
+def dualpipev_layouts(rank, world, store, with_ep):
+    """DualPipeV with its paired steps run as forward and backward taking turns at each layer:
+    the one-process steps, with every paired step run as a pair that took turns. Under ep the
+    two sides' all-to-alls (in 2 chunks, async) go through one group in turns."""
+    init(rank, world, store)
+    mesh = _mesh((2, 2), ("pp", "dp_shard")) if with_ep else _mesh((2,), ("pp",))
+    options = dict(ep=2, chunks=2) if with_ep else {}
+    for router in ROUTERS:
+        cfg = L.config(router, n_layers=4)
+        what = f"pp=2 dualpipev {router} {options}"
+        pipe = L.run_pipeline(cfg, mesh, what, schedule="dualpipev", microbatches=4, **options)
+        pp_rank = pipe.mesh.world["pp"].get_local_rank()
+        assert pipe.indices == [pp_rank, 3 - pp_rank], pipe.indices  # the V
+        assert pipe.paired.pairs == L.STEPS * _paired_steps(pipe, pp_rank) > 0, (what, pipe.paired.pairs)
+        # each side gave the turn at its layers and got it back ("FBF" alone: the backward ran whole)
+        assert pipe.paired.last_log.startswith("FBFB"), (what, pipe.paired.last_log)
+
+
+def test_pipeline_dualpipev():
+    spawn(dualpipev_layouts, 2, False)
+
+
+def test_pipeline_dualpipev_with_expert_parallel():
+    spawn(dualpipev_layouts, 4, True)
+
+
 def four_rank_layouts(rank, world, store, which):
     init(rank, world, store)
     for router in ROUTERS:
@@ -169,6 +203,11 @@ def bad_layouts(rank, world, store):
         _mesh((2,), ("pp",)),
         microbatches=2,
     )
+    pp = _mesh((2,), ("pp",))
+    _raises("dualpipev takes 2", pipeline_llama, L.build(L.config("topk", n_layers=6)), pp, schedule="dualpipev",
+            microbatches=6, stages_per_rank=3)  # fmt: skip
+    _raises("dualpipev needs microbatches \\(2\\) >= its 2 x pp = 4", pipeline_llama,
+            L.build(L.config("topk", n_layers=4)), pp, schedule="dualpipev", microbatches=2)  # fmt: skip
     _raises("ranks disagree", parallelize_llama, L.build(L.config("topk", vocab_size=64 + rank)), shard)
     model = parallelize_llama(L.build(cfg), tp)
     tokens, targets = L.data(cfg, 0)
