@@ -44,12 +44,13 @@ def timed(fn, repeats: int, sync=None) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def timed_turns(fns: dict, repeats: int, sync=None, before=None) -> dict[str, list[float]]:
+def timed_turns(fns: dict, repeats: int, sync=None, before=None, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds of every run of each function, the functions taking turns within each repeat
-    (after one warm-up each), so drift in the machine's speed hits them alike. ``before`` runs,
-    untimed, before every run (e.g. a barrier)."""
+    (after ``warmup`` untimed runs each), so drift in the machine's speed hits them alike.
+    ``before`` runs, untimed, before every run (e.g. a barrier)."""
     for fn in fns.values():
-        once(fn, sync)
+        for _ in range(warmup):
+            once(fn, sync)
     samples = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
