@@ -37,6 +37,11 @@ from torch.distributed.pipelining.schedules import (
     BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
+    OVERLAP_F_B,
+    RECV_F,
+    RESHARD,
+    SEND_F,
+    UNSHARD,
     _Action,
     _wait_batch_p2p,
 )
@@ -50,7 +55,10 @@ class DualPipeVFullBackward(ScheduleDualPipeV):
     (``BACKWARD_WEIGHT``), run a ``FULL_BACKWARD`` at the first and nothing at the second.
     With FSDP2 the split gave the last stage wrong gradients (off by up to 6x on small entries
     of a norm's weight gradient, at pp=2 x dp_shard=2); whole backwards give the one-process
-    ones. The order of forwards and of the paired steps is DualPipeV's."""
+    ones. The order of forwards and of the paired steps is DualPipeV's.
+
+    `eval` runs the same order without its backward actions (PyTorch's runtime would run them
+    in an evaluation too, and fail on the first)."""
 
     def _calculate_single_rank_operations(self, rank) -> list[_Action | None]:
         out: list[_Action | None] = []
@@ -61,6 +69,29 @@ class DualPipeVFullBackward(ScheduleDualPipeV):
                 a = _Action(a.stage_index, FULL_BACKWARD, a.microbatch_index)
             out.append(a)
         return out
+
+    def eval(self, *args, **kwargs):
+        full = self.pipeline_order_with_comms
+        self.pipeline_order_with_comms = {rank: _forward_only(actions) for rank, actions in full.items()}
+        try:
+            return super().eval(*args, **kwargs)
+        finally:
+            self.pipeline_order_with_comms = full
+
+
+_FORWARD_KINDS = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)
+
+
+def _forward_only(actions: list[_Action]) -> list[_Action]:
+    """A rank's actions with its backward ones left out and each paired step cut to its
+    forward: every rank keeps its forwards in their order, so the sends and receives still match."""
+    out = []
+    for a in actions:
+        if a.computation_type == OVERLAP_F_B:
+            out.extend(sub for sub in a.sub_actions if sub.computation_type == FORWARD)
+        elif a.computation_type in _FORWARD_KINDS:
+            out.append(a)
+    return out
 
 
 class _Turns:

@@ -131,6 +131,16 @@ def dualpipev_layouts(rank, world, store, with_ep):
         assert pipe.paired.pairs == L.STEPS * _paired_steps(pipe, pp_rank) > 0, (what, pipe.paired.pairs)
         # each side gave the turn at its layers and got it back ("FBF" alone: the backward ran whole)
         assert pipe.paired.last_log.startswith("FBFB"), (what, pipe.paired.last_log)
+    if not with_ep:  # evaluation: the forwards alone, as 1F1B's; then a step is still the reference's
+        from moe.parallel import pipeline_llama
+
+        cfg = L.config("topk", n_layers=4)
+        tokens, targets = L.data(cfg, 0)
+        pipes = {s: pipeline_llama(L.build(cfg), mesh, schedule=s, microbatches=4) for s in ("1f1b", "dualpipev")}
+        ce = {s: p.evaluate(tokens, targets).item() for s, p in pipes.items()}
+        assert abs(ce["dualpipev"] - ce["1f1b"]) < 1e-6, ce
+        loss = pipes["dualpipev"].step(tokens, targets).item()
+        assert abs(loss - L.cached_reference(cfg, 4)[0][0]) < 1e-5, loss
 
 
 def test_pipeline_dualpipev():
