@@ -56,6 +56,14 @@ BAD = [
         ["train", "--nproc", "4", "--pp", "4", "--preset", "tiny", "--pp-schedule", "interleaved_1f1b"],
         "needs at least 8 layers, the model has 4",
     ),
+    (
+        ["train", "--nproc", "2", "--pp", "2", "--pp-schedule", "dualpipev", "--micro-batches", "2"],
+        "--pp-schedule dualpipev needs --micro-batches (2) >= 2 x --pp = 4",
+    ),
+    (
+        ["train", "--nproc", "4", "--pp", "4", "--preset", "tiny", "--pp-schedule", "dualpipev"],
+        "--pp 4 x 2 stages per rank (dualpipev) needs at least 8 layers, the model has 4",
+    ),
     (["train", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["train", "--micro-batches", "2"], "--micro-batches 2 splits pipeline steps: it needs --pp > 1"),
     (["train", "--nproc", "2", "--ep", "2", "--ranks-per-node", "3"], "--ranks-per-node 3 must divide --ep 2"),

@@ -245,6 +245,8 @@ def _check_writable(out: Path) -> None:
 
 def _check_pipeline(args, n_layers: int, rows: int) -> None:
     """--pp and its options; ``rows``: the sequences of one data-parallel rank per step."""
+    from ..train.config import default_microbatches, stages_per_rank
+
     if args.pp > 1 and args.grad_accum > 1:
         raise UsageError(f"--grad-accum {args.grad_accum}: pipeline stages split a step with --micro-batches")
     if rows % args.grad_accum:
@@ -261,14 +263,16 @@ def _check_pipeline(args, n_layers: int, rows: int) -> None:
         raise UsageError(f"--pp {args.pp} runs with --tp, --ep, --etp and --dp-shard, not with --dp-replicate "
                          f"{args.dp_replicate}; drop one of them")  # fmt: skip
     interleaved = args.pp_schedule.startswith("interleaved")
-    stages = args.pp * (2 if interleaved else 1)
+    stages = args.pp * stages_per_rank(args.pp_schedule)
     if n_layers < stages:
-        per = " x 2 stages per rank (interleaved)" if stages > args.pp else ""
+        per = f" x 2 stages per rank ({args.pp_schedule})" if stages > args.pp else ""
         raise UsageError(f"--pp {args.pp}{per} needs at least {stages} layers, the model has {n_layers}")
-    m = args.micro_batches or args.pp
+    m = args.micro_batches or default_microbatches(args.pp, args.pp_schedule)
     if rows % m:
         raise UsageError(
             f"--micro-batches {m} must divide the {rows} sequences of each data-parallel rank (--batch / dp)"
         )
     if interleaved and m % args.pp:
         raise UsageError(f"--pp-schedule {args.pp_schedule} needs --micro-batches ({m}) divisible by --pp {args.pp}")
+    if args.pp_schedule == "dualpipev" and m < 2 * args.pp:
+        raise UsageError(f"--pp-schedule dualpipev needs --micro-batches ({m}) >= 2 x --pp = {2 * args.pp}")

@@ -18,7 +18,7 @@ ROUTERS = ("base", "topk", "sinkhorn", "expert_choice")
 
 
 # interleaved: 1F1B with 2 stages per rank (also by the name moe plan and pipeline_llama give it)
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b", "dualpipev")
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:

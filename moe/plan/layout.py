@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 __all__ = ["DISPATCHES", "PRECISIONS", "SCHEDULES", "Layout", "parse_layout"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "dualpipev")
+MULTI_STAGE = ("interleaved_1f1b", "dualpipev")  # the schedules with vpp >= 2 stages per pipeline rank
 PRECISIONS = ("bf16", "fp8", "fp32")
 DISPATCHES = ("flat", "hierarchical")  # parallelize_moe's dispatch= ("auto" resolves to one of these)
 _INTS = ("tp", "pp", "vpp", "ep", "dp_shard", "dp_replicate", "micro_batch", "chunks")
@@ -29,7 +30,7 @@ _STRS = ("schedule", "precision", "dispatch")
 class Layout:
     tp: int = 1  # tensor parallel with sequence parallelism (always on under tp > 1)
     pp: int = 1
-    vpp: int = 1  # stages per pipeline rank (>= 2 only with interleaved_1f1b)
+    vpp: int = 1  # stages per pipeline rank (>= 2 with interleaved_1f1b, 2 with dualpipev)
     schedule: str = "1f1b"
     ep: int = 1
     etp: bool = False  # experts' hidden dim sharded over tp instead of the layer replicated there
@@ -54,8 +55,10 @@ class Layout:
             raise ValueError(f"layout dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"layout precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if (self.vpp >= 2) != (self.schedule == "interleaved_1f1b"):
-            raise ValueError(f"vpp={self.vpp}: interleaved_1f1b needs vpp >= 2, gpipe and 1f1b take vpp=1")
+        if (self.vpp >= 2) != (self.schedule in MULTI_STAGE) or (self.schedule == "dualpipev" and self.vpp != 2):
+            raise ValueError(
+                f"vpp={self.vpp}: interleaved_1f1b needs vpp >= 2, dualpipev takes vpp=2, gpipe and 1f1b take vpp=1"
+            )
         if self.dp_shard % self.ep:
             raise ValueError(
                 f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism is folded onto the "
@@ -90,6 +93,13 @@ class Layout:
     @property
     def num_stages(self) -> int:
         return self.pp * self.vpp
+
+    def stages_of(self, p: int) -> list[int]:
+        """The stages pipeline rank ``p`` holds: p, p + P, ... (interleaved); p and 2P - 1 - p
+        (dualpipev's V)."""
+        if self.schedule == "dualpipev":
+            return [p, 2 * self.pp - 1 - p]
+        return list(range(p, self.num_stages, self.pp))
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank: pp, dp_replicate, dp_shard_mod_ep, ep, tp."""
@@ -150,7 +160,7 @@ def parse_layout(text: str, gpus: int | None = None) -> Layout:
             raise ValueError(f"unknown layout key {key!r}; known: {sorted(_INTS + _BOOLS + _STRS)}")
     if fields.get("vpp", 1) >= 2 and "schedule" not in fields:
         fields["schedule"] = "interleaved_1f1b"
-    if fields.get("schedule") == "interleaved_1f1b" and "vpp" not in fields:
+    if fields.get("schedule") in MULTI_STAGE and "vpp" not in fields:
         fields["vpp"] = 2
     if "dp_shard" not in fields and gpus is not None:
         rest = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("dp_replicate", 1)

@@ -30,7 +30,8 @@ Assumptions (stated once, the same for every layout):
   layer runs the whole sequence on every tp rank. With recompute a block keeps only its input
   and one block's activations are live again in backward. Live micro-batches by schedule:
   GPipe M, 1F1B min(M, P - p) on pipeline rank p, interleaved 1F1B (V - 1) P + 2 (P - 1 - p) + 1
-  virtual-stage chunks (torch.distributed.pipelining's warm-up), one micro-batch without pipelining.
+  virtual-stage chunks (torch.distributed.pipelining's warm-up), DualPipeV 2P + 1 stage chunks on
+  every rank (counted from its order, `moe.plan.dualpipev`), one micro-batch without pipelining.
   The real block keeps more than the ideal one, in fp32 whatever the compute dtype (measured
   by PyTorch's memory tracker, tests/plan/test_memcheck.py): each RMSNorm's fp32 input copy and
   its reciprocal norm, and attention's log-sum-exp per head (`fp32_kept_bytes`).
@@ -50,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
+from . import dualpipev
 from .layout import Layout
 from .shards import Unit, gathered_numel, local_numel, stage_specs, stage_specs_ends, stage_summary
 
@@ -129,6 +131,8 @@ def live_chunks(lay: Layout, p: int, m: int) -> int:
         return m
     if lay.schedule == "1f1b":
         return min(m, P - p)
+    if lay.schedule == "dualpipev":  # 2P + 1 on every rank, from the schedule's own order
+        return dualpipev.live_chunks(P, m, p)
     return min(m * V, (V - 1) * P + 2 * (P - 1 - p) + 1)
 
 
@@ -136,7 +140,7 @@ def param_bytes(cfg: LlamaConfig, lay: Layout, rank: int) -> int:
     """Bytes of the fp32 parameter shards the global ``rank`` holds."""
     c = lay.coords(rank)
     total = 0
-    for stage in range(c["pp"], lay.num_stages, lay.pp):
+    for stage in lay.stages_of(c["pp"]):
         total += sum(local_numel(s, lay, c) for s in stage_specs(cfg, lay, stage))
     return _PARAM_BYTES * total
 
@@ -151,7 +155,7 @@ def memory(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, cache: d
     if lay.tp > 1 and shape.seq_len % lay.tp:
         raise ValueError(f"seq_len={shape.seq_len} must be divisible by tp={lay.tp} (sequence parallelism)")
     a = _act_bytes(lay)
-    stages = list(range(p, lay.num_stages, lay.pp))
+    stages = lay.stages_of(p)
     sums = [stage_summary(cfg, lay, s, c, cache) for s in stages]
     local = sum(x.local for x in sums)
     gathered = sum(x.gathered for x in sums)

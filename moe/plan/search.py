@@ -78,6 +78,8 @@ def check_layout(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpus: int, gp
     m = shape.microbatches(lay)  # raises if the batch does not split
     if lay.schedule == "interleaved_1f1b" and m % lay.pp:
         raise ValueError(f"interleaved_1f1b needs the {m} micro-batches divisible by pp={lay.pp}")
+    if lay.schedule == "dualpipev" and m < 2 * lay.pp:
+        raise ValueError(f"dualpipev needs the {m} micro-batches >= its 2 x pp = {2 * lay.pp} stages")
 
 
 def evaluate(cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpu: GPU, gpus: int, gpus_per_node: int = 8) -> Plan:

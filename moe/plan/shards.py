@@ -166,7 +166,7 @@ def rank_params(cfg: LlamaConfig, lay: Layout, rank: int) -> dict[str, int]:
     """{parameter name: local elements} of every parameter the global ``rank`` holds."""
     c = lay.coords(rank)
     out = {}
-    for stage in range(c["pp"], lay.num_stages, lay.pp):
+    for stage in lay.stages_of(c["pp"]):
         for spec in stage_specs(cfg, lay, stage):
             out[spec.name] = local_numel(spec, lay, c)
     return out

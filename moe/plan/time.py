@@ -14,7 +14,10 @@ Overlap assumptions (the same for every layout):
   (`dispatch_time`: bytes of the flat and two-level dispatchers, overlap of ``chunks``).
 - FSDP all-gathers / reduce-scatters, the HSDP all-reduce and the pipeline's send/recv
   (asynchronous in torch.distributed.pipelining) overlap with compute; only what exceeds the
-  step's compute is exposed. The bubble adds (P - 1) / (Vs M) of the busy time.
+  step's compute is exposed. The bubble adds (P - 1) / (Vs M) of the busy time (GPipe, 1F1B,
+  interleaved 1F1B); under DualPipeV the fraction a list schedule of its own order gives
+  (`moe.plan.dualpipev`: forward 1, backward 2, a paired step their sum, nothing of one side's
+  all-to-all hidden behind the other's compute).
 A collective over n ranks moves (n - 1) / n of its buffer per rank, at the NVLink bandwidth
 when its group lies in one node, else at the network's.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from ..models.llama import LlamaConfig
 from .base_time import global_base_bytes, global_base_s, uses_global_base
 from .dispatch_time import chunk_latency_s, ep_layer, exchange_s, exposed, fixed_latency_s
+from .dualpipev import bubble_fraction
 from .hardware import EFFICIENCY, GPU, Efficiency
 from .layout import Layout
 from .memory import TrainShape, _kinds, _routed_rows
@@ -130,7 +134,7 @@ def step_time(
     c = lay.coords(0)
     per_rank, summaries = [], {}
     for p in range(lay.pp):
-        stages = range(p, lay.num_stages, lay.pp)
+        stages = lay.stages_of(p)
         gemm = attn = elem = tp_bytes = ep_in = ep_out = 0.0
         for s in stages:
             sm = summaries[s] = stage_summary(cfg, lay, s, c, cache)
@@ -152,14 +156,19 @@ def step_time(
     slow = max(per_rank, key=lambda r: r[0])
     mb_s, compute_mb, tp_mb, ep_mb, flops_mb, tp_b, ep_in, ep_out, ep_hidden_mb, base_mb, base_b = slow
     busy = M * mb_s
-    bubble = (lay.pp - 1) / (lay.vpp * M) * busy if lay.pp > 1 else 0.0
+    if lay.pp == 1:
+        bubble = 0.0
+    elif lay.schedule == "dualpipev":  # from the schedule's own order (moe.plan.dualpipev)
+        bubble = bubble_fraction(lay.pp, M) * busy
+    else:
+        bubble = (lay.pp - 1) / (lay.vpp * M) * busy
 
     # pipeline send / recv: activations (T / Tp, D) forward, their gradient backward, per stage edge
     pp_bytes = 2 * M * lay.vpp * T * D / lay.tp * a if lay.pp > 1 else 0.0
     pp_s = pp_bytes / _group_bw(gpu, eff, lay.world, gpn)  # stages are dp * tp ranks apart: between nodes
 
     # FSDP traffic of the busiest rank (coordinate 0 holds the largest shards), pipeline rank 0
-    mine = [summaries[s] for s in range(0, lay.num_stages, lay.pp)]
+    mine = [summaries[s] for s in lay.stages_of(0)]
     local = sum(x.local for x in mine)
     # reshard after forward: gathered again for backward (pipelining keeps them after backward,
     # memory.py); without it, once a step

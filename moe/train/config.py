@@ -19,9 +19,20 @@ from ..config import MoEConfig
 from ..models.llama import PRESETS, LlamaConfig
 
 __all__ = [
-    "LAYOUT_FIELDS", "RESUME_KEEPS", "TrainConfig", "load_hf_model", "model_config", "model_config_from_dict",
-    "run_tokenizer", "upcycle_template",
+    "LAYOUT_FIELDS", "RESUME_KEEPS", "TrainConfig", "default_microbatches", "load_hf_model", "model_config",
+    "model_config_from_dict", "run_tokenizer", "stages_per_rank", "upcycle_template",
 ]  # fmt: skip
+
+
+def stages_per_rank(pp_schedule: str) -> int:
+    """Pipeline stages on each pipeline rank: 2 for the interleaved schedule and DualPipeV's V."""
+    return 2 if pp_schedule.startswith("interleaved") or pp_schedule == "dualpipev" else 1
+
+
+def default_microbatches(pp: int, pp_schedule: str) -> int:
+    """Micro-batches per step when --micro-batches is not given: pp, or 2 pp for DualPipeV
+    (which needs one per stage at least)."""
+    return 2 * pp if pp_schedule == "dualpipev" else pp
 
 
 @dataclass(kw_only=True)
@@ -84,7 +95,7 @@ class TrainConfig:
     dp_shard: int = -1  # -1: whatever the world size leaves
     dp_replicate: int = 1
     pp_schedule: str = "1f1b"
-    micro_batches: int | None = None  # None: pp (pipeline) or 1
+    micro_batches: int | None = None  # None: pp (pipeline; 2 pp under dualpipev) or 1
     ac: str = "none"  # activation checkpointing of every block: none, full, selective (keeps matmul outputs)
     compile: bool = False  # torch.compile each block (inductor; an expert-parallel MoE layer stays eager)
     dtype: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; bf16 / fp32 force it

@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from .config import default_microbatches
 from .ranks import record_rank
 from .runlock import HELD_ENV, RunFolderError, acquire
 
 __all__ = ["PP_SCHEDULES", "Layout", "StageView", "clip_grad_norm", "parallelize", "setup"]
 
 # the command's names for the pipeline schedules -> moe.parallel.pipeline's
-PP_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b"}
+PP_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "dualpipev": "dualpipev"}
 PP_SCHEDULES["interleaved_1f1b"] = PP_SCHEDULES["interleaved"]  # the name moe plan prints
 
 # LlamaMesh slices its flattened views from the root mesh on purpose; said once per rank and
@@ -156,8 +157,9 @@ def parallelize(model: nn.Module, cfg, device: torch.device) -> tuple[nn.Module,
     if cfg.pp == 1:
         model = parallelize_llama(model, lm, ep=cfg.ep, etp=cfg.etp, global_base=global_base, **blocks)
         return model, Layout(lm)
+    micro = cfg.micro_batches or default_microbatches(cfg.pp, cfg.pp_schedule)
     pipe = pipeline_llama(
-        model, lm, schedule=PP_SCHEDULES[cfg.pp_schedule], microbatches=cfg.micro_batches or cfg.pp,
+        model, lm, schedule=PP_SCHEDULES[cfg.pp_schedule], microbatches=micro,
         ep=cfg.ep, etp=cfg.etp, global_base=global_base, **blocks,
     )  # fmt: skip
     return StageView(pipe.models), Layout(lm, pipe)

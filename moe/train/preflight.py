@@ -13,7 +13,7 @@ import os
 import re
 
 from ..models.llama import LlamaConfig
-from .config import TrainConfig, model_config, run_tokenizer
+from .config import TrainConfig, default_microbatches, model_config, run_tokenizer, stages_per_rank
 from .data import load_tokenizer
 
 __all__ = [
@@ -139,11 +139,11 @@ def train_layout(cfg: TrainConfig, on_gpu: bool):
 
     interleaved = cfg.pp_schedule.startswith("interleaved")
     dp = cfg.dp_shard * cfg.dp_replicate
-    micro = cfg.micro_batches or (cfg.pp if cfg.pp > 1 else 1)
+    micro = cfg.micro_batches or (default_microbatches(cfg.pp, cfg.pp_schedule) if cfg.pp > 1 else 1)
     spans = cfg.ranks_per_node is not None and cfg.ep > cfg.ranks_per_node  # "auto": two-level across nodes
     two_level = cfg.ep > 1 and (cfg.dispatch == "hierarchical" or (cfg.dispatch == "auto" and spans))
     return Layout(
-        tp=cfg.tp, pp=cfg.pp, vpp=2 if cfg.pp > 1 and interleaved else 1,
+        tp=cfg.tp, pp=cfg.pp, vpp=stages_per_rank(cfg.pp_schedule) if cfg.pp > 1 else 1,
         schedule="interleaved_1f1b" if cfg.pp > 1 and interleaved else ("1f1b" if cfg.pp == 1 else cfg.pp_schedule),
         ep=cfg.ep, etp=cfg.etp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate, reshard=bool(cfg.reshard),
         precision="bf16" if on_gpu else "fp32", micro_batch=max(1, cfg.batch // dp // micro),
@@ -227,11 +227,12 @@ def describe(cfg: TrainConfig, local_procs: int) -> str:
     experts = f", MoE in {len(mc.moe_layers)} of {mc.n_layers} layers ({moe.num_experts} experts, top-{moe.top_k}, " \
         f"{moe.router})" if moe is not None else ", dense"  # fmt: skip
     world = cfg.tp * cfg.pp * cfg.dp_shard * cfg.dp_replicate
+    micro = cfg.micro_batches or default_microbatches(cfg.pp, cfg.pp_schedule)
     return "\n".join([
         f"model: {cfg.from_hf or cfg.preset}: {_count(total)} parameters, {_count(mc.num_active_params())} active "
         f"per token, {mc.n_layers} layers, dim {mc.dim}{experts}",
         f"layout: {world} processes: tp={cfg.tp} pp={cfg.pp} ep={cfg.ep} etp={int(cfg.etp)} dp_shard={cfg.dp_shard} "
-        f"dp_replicate={cfg.dp_replicate}" + (f" schedule={cfg.pp_schedule} micro_batches={cfg.micro_batches or cfg.pp}"
+        f"dp_replicate={cfg.dp_replicate}" + (f" schedule={cfg.pp_schedule} micro_batches={micro}"
                                               if cfg.pp > 1 else ""),
         f"memory per process: about {_gb(e['need'])} (the whole model in fp32 while built {_gb(4 * total)}; the "
         f"training step's peak {_gb(e['step'])}); {_gb(e['have'])} of {e['what']}"

@@ -275,3 +275,39 @@ def test_cli_model_from_json_file(capsys, tmp_path):
     status, _, err = _run(capsys, "--model", "nope", "--gpus", "8", "--seq-len", "8", "--global-batch-tokens", "8",
                           "--search")  # fmt: skip
     assert status == 2 and "neither a preset" in err
+
+
+def test_dualpipev_layout_holds_the_v_and_its_own_chunks():
+    """A dualpipev layout: stages p and 2P-1-p on pipeline rank p, as pipeline_llama places
+    them; its live chunks (2P + 1 on every rank) and its bubble from the schedule's own order."""
+    from moe.plan.dualpipev import bubble_fraction
+
+    lay = parse_layout("pp=4,schedule=dualpipev,dp_shard=2")
+    assert (lay.vpp, lay.stages_of(0), lay.stages_of(3)) == (2, [0, 7], [3, 4])
+    assert Layout(pp=4, vpp=2, schedule="interleaved_1f1b").stages_of(0) == [0, 4]
+    with pytest.raises(ValueError, match="dualpipev takes vpp=2"):
+        Layout(pp=2, vpp=3, schedule="dualpipev")
+    for pp in (2, 4, 8):
+        for m in (2 * pp, 4 * pp):
+            lay = Layout(pp=pp, vpp=2, schedule="dualpipev")
+            assert [live_chunks(lay, p, m) for p in range(pp)] == [2 * pp + 1] * pp, (pp, m)
+            # DualPipe's published bubble with whole backwards (F 1, B 2, W 0): (P - 1)(F&B + B)
+            # = 5 (P - 1) of the 6 M per rank; the first pair of the last rank is not paired
+            assert abs(6 * m * bubble_fraction(pp, m) - 5 * (pp - 1)) <= 1, (pp, m, bubble_fraction(pp, m))
+    assert bubble_fraction(1, 4) == 0.0
+    with pytest.raises(ValueError, match="dualpipev needs microbatches"):
+        bubble_fraction(4, 6)
+
+
+def test_dualpipev_plans_between_1f1b_and_interleaved():
+    """The same model and cluster: DualPipeV's bubble is below 1F1B's and above interleaved
+    1F1B's (its backwards are whole), its rank 0 holds the V's ends (embedding and output)."""
+    cfg = LlamaConfig(dim=256, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=512, max_seq_len=256)
+    shape = TrainShape(seq_len=256, global_batch_tokens=256 * 32)
+    times = {}
+    for text in ("pp=4,schedule=1f1b", "pp=4,schedule=interleaved_1f1b", "pp=4,schedule=dualpipev"):
+        lay = parse_layout(text + ",dp_shard=2", gpus=8)
+        times[lay.schedule] = step_time(cfg, lay, shape, GPUS["h100"]).bubble_s
+    assert times["interleaved_1f1b"] < times["dualpipev"] < times["1f1b"], times
+    lay = parse_layout("pp=4,schedule=dualpipev,dp_shard=2", gpus=8)
+    assert memory(cfg, lay, shape, 0)["logits"] > 0  # the last stage (7) is on rank 0

@@ -165,6 +165,20 @@ def test_pp2_gives_the_one_process_losses_and_resumes_in_one_process(tmp_path, d
     _same(rows, topk_one, "pp=2 -> pp=1")
 
 
+def test_dualpipev_gives_the_one_process_losses(tmp_path, docs, topk_one):
+    """DualPipeV through the command (stages p and 3 - p on rank p, 2 x pp micro-batches by
+    default, its paired steps): the losses, validation losses, gradient norm and loads of one
+    process."""
+    run = tmp_path / "dualpipev"
+    moe("train", *TOPK, "--data", docs, "--out", run, "--nproc", 2, "--pp", 2, "--pp-schedule", "dualpipev",
+        "--stop-at", 2)  # fmt: skip
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "val_loss" in rows[-1]
+    _same(rows, topk_one, "pp=2 dualpipev")
+    saved = json.loads((run / "config.json").read_text())["train"]
+    assert (saved["pp_schedule"], saved["micro_batches"]) == ("dualpipev", None)
+
+
 @pytest.mark.parametrize(
     "layout",
     [["--dp-replicate", 2], ["--tp", 2, "--etp"], ["--grad-accum", 2],
