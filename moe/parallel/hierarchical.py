@@ -148,7 +148,7 @@ class HierarchicalDispatcher(FlatDispatcher):
         local_RK = all_to_all(
             plan.local_SK.reshape(-1), [n * k for n in plan.recv], [n * k for n in plan.send], self.node_group
         )
-        x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:]
+        x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:].contiguous()  # a view would keep rows_RX for backward
 
         # stage 2: the received pairs over the node's ranks, as a flat dispatcher routes tokens
         cfg = layer.config
@@ -162,7 +162,8 @@ class HierarchicalDispatcher(FlatDispatcher):
 
         # stage 1 back: each node's partial goes home, where they are added
         partial_SD = all_to_all(partial_RD, plan.send, plan.recv, self.node_group)
-        return x_TD.new_zeros(num_tokens, dim).index_add(0, plan.pair_token, partial_SD)
+        # index_put keeps only the indices for backward (index_add would keep partial_SD)
+        return x_TD.new_zeros(num_tokens, dim).index_put((plan.pair_token,), partial_SD, accumulate=True)
 
     def pairs(self, x_TD: Tensor, routing, gates_TK: Tensor) -> Pairs:
         """The (token, node) pairs this rank sends, sorted by node then token, and every split
