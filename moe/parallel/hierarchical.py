@@ -42,7 +42,7 @@ from .all_to_all import all_to_all
 from .dispatch import combine, raise_if_peers_failed, send_key, send_rows
 from .flat import FlatDispatcher
 
-__all__ = ["HierarchicalDispatcher", "node_groups", "resolve_ranks_per_node"]
+__all__ = ["HierarchicalDispatcher", "node_groups", "node_slot_counts", "resolve_ranks_per_node"]
 
 
 def resolve_ranks_per_node(ranks_per_node: int | None, ep_ranks: list[int]) -> int:
@@ -88,6 +88,35 @@ def node_groups(mesh: DeviceMesh, ep: str, ranks_per_node: int) -> tuple[object,
     nodes = mesh.size(mesh.mesh_dim_names.index(ep)) // ranks_per_node
     split = mesh._unflatten(ep, (nodes, ranks_per_node), (f"{ep}_node", f"{ep}_local"))
     return split.get_group(f"{ep}_node"), split.get_group(f"{ep}_local")
+
+
+def node_slot_counts(idx_TK: Tensor, num_nodes: int, per_node: int, chunks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What a rank tells each node in the count exchange, from its slots' experts ``idx_TK``
+    (T, K; -1 dropped), experts in ``num_nodes`` blocks of ``per_node``: which (node, token)
+    pairs exist (N, T) bool (a token with at least one slot on the node), each slot's node (T, K)
+    (N for a dropped slot), and per destination node its pairs, then its slots by (chunk,
+    node-local expert) (N, 1 + C En): the j-th of the n pairs to a node is in chunk
+    (C (j + 1) - 1) // n, as `moe.parallel.chunked.cut` splits them."""
+    num_tokens, device, N = idx_TK.shape[0], idx_TK.device, num_nodes
+    node_TK = torch.where(idx_TK >= 0, torch.div(idx_TK, per_node, rounding_mode="floor"), N)  # dropped: N
+    # pairs (token, node) with at least one slot on the node; dropped slots mark the extra row
+    hit_NT = torch.zeros(N + 1, num_tokens, dtype=torch.bool, device=device)
+    tokens_TK = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(node_TK)
+    hit_NT[node_TK, tokens_TK] = True
+    hit_NT = hit_NT[:N]
+    pairs_N = hit_NT.sum(dim=1)
+    j_NT = hit_NT.cumsum(dim=1) - 1
+    kept = node_TK < N
+    node_k = node_TK.where(kept, 0)
+    j_TK, n_TK = j_NT[node_k, tokens_TK], pairs_N[node_k]
+    chunk_TK = torch.div(chunks * (j_TK + 1) - 1, n_TK.clamp(min=1), rounding_mode="floor")
+    width = 1 + chunks * per_node  # per destination node: its pairs, then slots by (chunk, expert)
+    slot_TK = node_k * width + 1 + chunk_TK * per_node + idx_TK - node_k * per_node
+    sent_NX = torch.zeros(N * width + 1, dtype=torch.int64, device=device)
+    sent_NX.index_add_(0, slot_TK.where(kept, N * width).reshape(-1), torch.ones_like(slot_TK).reshape(-1))
+    sent_NX = sent_NX[: N * width].view(N, width)
+    sent_NX[:, 0] = pairs_N
+    return hit_NT, node_TK, sent_NX
 
 
 @dataclass(frozen=True)
@@ -148,7 +177,7 @@ class HierarchicalDispatcher(FlatDispatcher):
         local_RK = all_to_all(
             plan.local_SK.reshape(-1), [n * k for n in plan.recv], [n * k for n in plan.send], self.node_group
         )
-        x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:]
+        x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:].contiguous()  # a view would keep rows_RX for backward
 
         # stage 2: the received pairs over the node's ranks, as a flat dispatcher routes tokens
         cfg = layer.config
@@ -162,7 +191,8 @@ class HierarchicalDispatcher(FlatDispatcher):
 
         # stage 1 back: each node's partial goes home, where they are added
         partial_SD = all_to_all(partial_RD, plan.send, plan.recv, self.node_group)
-        return x_TD.new_zeros(num_tokens, dim).index_add(0, plan.pair_token, partial_SD)
+        # index_put keeps only the indices for backward (index_add would keep partial_SD)
+        return x_TD.new_zeros(num_tokens, dim).index_put((plan.pair_token,), partial_SD, accumulate=True)
 
     def pairs(self, x_TD: Tensor, routing, gates_TK: Tensor) -> Pairs:
         """The (token, node) pairs this rank sends, sorted by node then token, and every split
@@ -175,29 +205,11 @@ class HierarchicalDispatcher(FlatDispatcher):
         and those it is relayed."""
         self.agreement.start([])  # the count exchange below is the forward's last status collective
         num_tokens, k = routing.expert_idx.shape
-        device, N, P, chunks = x_TD.device, self.num_nodes, self.ranks_per_node, self.chunks
+        N, P, chunks = self.num_nodes, self.ranks_per_node, self.chunks
         per_node = self.num_experts // N
         per_rank = per_node // P
-        idx_TK = routing.expert_idx
-        node_TK = torch.where(idx_TK >= 0, torch.div(idx_TK, per_node, rounding_mode="floor"), N)  # dropped: N
-        # pairs (token, node) with at least one slot on the node; dropped slots mark the extra row
-        hit_NT = torch.zeros(N + 1, num_tokens, dtype=torch.bool, device=device)
-        tokens_TK = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(node_TK)
-        hit_NT[node_TK, tokens_TK] = True
-        hit_NT = hit_NT[:N]
-        pairs_N = hit_NT.sum(dim=1)
-        # each slot's chunk: that of its pair, the j-th of the n to its node, is (C (j + 1) - 1) // n
-        j_NT = hit_NT.cumsum(dim=1) - 1
-        kept = node_TK < N
-        node_k = node_TK.where(kept, 0)
-        j_TK, n_TK = j_NT[node_k, tokens_TK], pairs_N[node_k]
-        chunk_TK = torch.div(chunks * (j_TK + 1) - 1, n_TK.clamp(min=1), rounding_mode="floor")
-        width = 1 + chunks * per_node  # per destination node: its pairs, then slots by (chunk, expert)
-        slot_TK = node_k * width + 1 + chunk_TK * per_node + idx_TK - node_k * per_node
-        sent_NX = torch.zeros(N * width + 1, dtype=torch.int64, device=device)
-        sent_NX.index_add_(0, slot_TK.where(kept, N * width).reshape(-1), torch.ones_like(slot_TK).reshape(-1))
-        sent_NX = sent_NX[: N * width].view(N, width)
-        sent_NX[:, 0] = pairs_N
+        hit_NT, node_TK, sent_NX = node_slot_counts(routing.expert_idx, N, per_node, chunks)
+        width = sent_NX.shape[1]
 
         # the count exchange, over the whole ep group (`Agreement.relay` meets it with -1s)
         sent_WX = sent_NX.repeat_interleave(P, dim=0)
@@ -206,7 +218,7 @@ class HierarchicalDispatcher(FlatDispatcher):
         # per local rank l, chunk and node-local expert: the slots l relays, summed over the nodes
         relayed_PCE = got_NPX[:, :, 1:].sum(dim=0).view(P, chunks, per_node)
         heads = [got_NPX[:, :, 0].reshape(-1), sent_NX[:, 0], relayed_PCE.reshape(-1)]
-        table = torch.cat(heads).tolist()  # the one host sync: every split
+        table = self.read_splits(torch.cat(heads), routing)  # the one host sync: every split
         W = self.ep_size
         raise_if_peers_failed(table[:W], self.ep_group, "dispatch")  # a failed rank sends -1 everywhere
         send = table[W : W + N]
@@ -223,8 +235,17 @@ class HierarchicalDispatcher(FlatDispatcher):
 
         # stage 1: each pair's vector once, its gates for that node's slots beside it
         pair_node, pair_token = torch.nonzero_static(hit_NT, size=sum(send)).unbind(1)  # no sync: the size is known
+        idx_TK = routing.expert_idx
         on_node_SK = node_TK[pair_token] == pair_node.unsqueeze(1)
         local_SK = torch.where(on_node_SK, idx_TK[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         gates_SK = gates_TK[pair_token].masked_fill(~on_node_SK, 0)
         rows_SX = torch.cat([x_TD[pair_token], gates_SK], dim=1)
         return Pairs(pair_token, send, recv, rows_SX, local_SK, node_send, node_recv)
+
+    def read_splits(self, table: Tensor, routing) -> list[int]:
+        """The forward's one host read (`pairs`): the count exchange's table as a list, its
+        layout W pairs received (by source rank), N pairs sent (by node), then per local rank,
+        chunk and node-local expert the slots relayed. A method of its own for a caller that
+        knows the answer without reading a tensor: the tracked step of `moe.plan.memcheck`,
+        under FakeTensorMode, answers it for the loads it imposes."""
+        return table.tolist()

@@ -67,7 +67,7 @@ class ChunkedHierarchicalDispatcher(HierarchicalDispatcher):
             rows_RX = wait(going, out_links[c])
             if c + 1 < C:  # in flight while this chunk goes through the node
                 going = start(rows_SX[offsets_S[c + 1] : offsets_S[c + 2]], out_links[c + 1])
-            x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:]
+            x_RD, g_RK = rows_RX[:, :dim], rows_RX[:, dim:].contiguous()  # a view would keep rows_RX for backward
             send_c, recv_c = send_CPL[c], recv_CPL[c]
             kept = sum(map(sum, send_c))
             ids_RK = local_RK[offsets_R[c] : offsets_R[c + 1]]
@@ -85,4 +85,5 @@ class ChunkedHierarchicalDispatcher(HierarchicalDispatcher):
             coming.append(start(partial_RD, back_links[c]))  # in flight while the next chunk is computed
         partial_SD = torch.cat([wait(p, link) for p, link in zip(coming, back_links, strict=True)])
         partial_SD = partial_SD.index_select(0, back_S)
-        return x_TD.new_zeros(num_tokens, dim).index_add(0, plan.pair_token, partial_SD)
+        # index_put keeps only the indices for backward (index_add would keep partial_SD)
+        return x_TD.new_zeros(num_tokens, dim).index_put((plan.pair_token,), partial_SD, accumulate=True)

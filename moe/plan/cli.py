@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             from .memcheck import check_memory_report
 
             try:
-                print(check_memory_report(cfg, lay, shape, plan.rank, gpu.hbm_bytes * USABLE_FRACTION))
+                usable = gpu.hbm_bytes * USABLE_FRACTION
+                print(check_memory_report(cfg, lay, shape, plan.rank, usable, args.gpus_per_node))
             except ValueError as e:
                 print(f"moe plan: --check-memory: {e}", file=sys.stderr)
                 return 2

@@ -38,6 +38,7 @@ __all__ = [
     "A2A_LATENCY_S",
     "chunk_latency_s",
     "ep_layer",
+    "ep_ranks_per_node",
     "exchange_s",
     "expected_nodes",
     "exposed",
@@ -66,10 +67,15 @@ def expected_nodes(experts: int, k: int, nodes: int, limit: int | None = None) -
     return min(n, limit) if limit else n
 
 
+def ep_ranks_per_node(lay: Layout, gpn: int) -> int:
+    """L: the ep ranks in one node of ``gpn`` GPUs (the ep peers are tp ranks apart), at most W."""
+    return min(lay.ep, max(1, gpn // lay.tp))
+
+
 def ep_layer(cfg: LlamaConfig, lay: Layout, tokens: int, rows: int, act_bytes: int, gpn: int) -> tuple[float, float]:
     """(intra-node, inter-node) bytes one rank sends in one dispatch (= one combine) of a layer."""
     W = lay.ep
-    L = min(W, max(1, gpn // lay.tp))  # ep peers in my node
+    L = ep_ranks_per_node(lay, gpn)  # ep peers in my node
     N = W // L
     row = cfg.dim * act_bytes
     if lay.dispatch == "flat" or N == 1:

@@ -1,7 +1,8 @@
 """One training step of the real model measured by PyTorch's own memory trackers, set beside
 the planner's estimate (`moe.plan.memory`) for the same layout and rank (docs/scale.md,
 "Checking the memory model"). MoE layers route by BASE's static path (`tracked_config`): the
-balanced loads the planner assumes, or with ``routing="worst"`` every token on one rank's experts.
+balanced loads the planner assumes, or with ``routing="worst"`` every token on one rank's experts;
+the two-level dispatch, which reads its splits on the host, is told them for those loads (`_routed`).
 
 The step: the rank's pipeline stage, built on the meta device and laid out by the real
 `parallelize_llama` / `pipeline_llama` on PyTorch's fake process group (one process stands for
@@ -141,17 +142,19 @@ def measure(
     cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, *, routing: str = "balanced", **options
 ) -> dict[str, int]:
     """{part of `PARTS`: its peak bytes, "total": the tracker's peak} of the global ``rank``
-    running one step under ``lay``. ``options``: more `parallelize_llama` keywords (e.g.
-    ``dispatch="hierarchical"``). Runs in a fresh process (DTensor caches plans per mesh, and a
+    running one step under ``lay``. ``options``: more `parallelize_llama` keywords (the
+    layout's ``dispatch`` and ``chunks`` unless given; ``ranks_per_node`` for the two-level
+    dispatch). Runs in a fresh process (DTensor caches plans per mesh, and a
     second fake process group in one process would meet them), its address space capped at
     `ADDRESS_SPACE_CAP` so that a tensor made real by mistake fails instead of filling the host."""
-    if cfg.moe is not None and "flat" != options.get("dispatch", lay.dispatch):
-        raise ValueError(
-            "the tracked step runs the flat expert-parallel dispatch only: the two-level one reads its "
-            "splits on the host, which FakeTensorMode cannot answer (docs/scale.md)"
-        )
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    options = {"dispatch": lay.dispatch, "chunks": lay.chunks, **options}
+    if cfg.moe is not None and options["dispatch"] == "hierarchical" and options.get("ranks_per_node") is None:
+        raise ValueError(
+            "the two-level dispatch's tracked step needs ranks_per_node (the ep ranks per node: the "
+            "process that measures has no torchrun environment to find it from)"
+        )
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_cap_memory) as pool:
         return pool.submit(_measure_here, cfg, lay, shape, rank, options, routing).result()
@@ -190,16 +193,18 @@ def _routed(model, routing: str, ep_rank: int):
     """The flat dispatchers of ``model`` send their rows in the order a GPU run does
     ("resort"); under ``routing="worst"`` every rank's K copies of every token go to the
     first expert of ep rank ``ep_rank`` (dropless routing's largest receive buffer, the experts'
-    largest inputs: ep x T x K rows) instead of the balanced loads."""
+    largest inputs: ep x T x K rows) instead of the balanced loads. The two-level dispatchers
+    are given their splits on the host (`_two_level_splits`) for the same loads."""
     from ..layer import MoE
     from ..parallel.flat import FlatDispatcher
+    from ..parallel.hierarchical import HierarchicalDispatcher
 
     for m in model.modules():
         if isinstance(m, MoE) and isinstance(m.dispatcher, FlatDispatcher):
             m.dispatcher.strategy = "resort"
-    if routing == "balanced":
-        yield
-        return
+
+    def splits(self, table, result):
+        return _two_level_splits(self, result.expert_idx.shape, routing, ep_rank)
 
     def skewed(self, layer, counts_E, result):
         self.agreement.start([])
@@ -208,8 +213,47 @@ def _routed(model, routing: str, ep_rank: int):
         known[ep_rank * (experts // self.ep_size)] = rows
         return known
 
-    with mock.patch.object(FlatDispatcher, "known_counts", skewed):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(HierarchicalDispatcher, "read_splits", splits))
+        if routing == "worst":
+            stack.enter_context(mock.patch.object(FlatDispatcher, "known_counts", skewed))
         yield
+
+
+def _tracked_expert_idx(shape: tuple[int, int], experts: int, nodes: int, routing: str, first: int = 0):
+    """The (T, K) experts of the tracked step's slots on every rank, as the two-level dispatch is
+    told them: under ``"balanced"`` BASE's balanced loads (`expert_capacities_list`, the extra
+    slots on the lowest experts), slot i (token-major) on the i-th expert of the order that
+    takes one expert of each node in turn (the extra slots last), so when E divides T K (every
+    row of `CASES`) a token's K slots reach min(K, N) nodes: the most (token, node) pairs, the
+    largest buffers between nodes, any routing has. Under ``"worst"`` every slot on expert
+    ``first``."""
+    from ..routing import expert_capacities_list
+
+    tokens, k = shape
+    if routing == "worst":
+        return torch.full((tokens, k), first, dtype=torch.int64)
+    interleaved = torch.arange(experts).view(nodes, experts // nodes).T.reshape(-1)  # one expert of each node
+    caps = torch.tensor(expert_capacities_list(tokens, experts, k))
+    rounds = [interleaved[caps[interleaved] > r] for r in range(int(caps.max()))]
+    return torch.cat(rounds).view(tokens, k)
+
+
+def _two_level_splits(dispatcher, shape: tuple[int, int], routing: str, ep_rank: int) -> list[int]:
+    """`HierarchicalDispatcher.read_splits` answered on the host: every rank of the ep group
+    routes its T tokens as `_tracked_expert_idx` says, so what each sends this rank's node is what
+    this rank sends it, and the count exchange's table follows (`HierarchicalDispatcher.pairs`'s
+    layout) from `node_slot_counts` of those experts, the real run's counting."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from ..parallel.hierarchical import node_slot_counts
+
+    d, experts = dispatcher, dispatcher.num_experts
+    with _disable_current_modes():  # real host tensors, neither fake nor tracked
+        idx = _tracked_expert_idx(shape, experts, d.num_nodes, routing, ep_rank * (experts // d.ep_size))
+        sent = node_slot_counts(idx, d.num_nodes, experts // d.num_nodes, d.chunks)[2]
+        mine = sent[d.node]
+        return [int(mine[0])] * d.ep_size + sent[:, 0].tolist() + (d.num_nodes * mine[1:]).tolist() * d.ranks_per_node
 
 
 def _cap_memory() -> None:
@@ -230,7 +274,7 @@ def _measure_here(
         raise ValueError("the tracked step runs bf16 or fp32 (fp8 GEMMs need a GPU)")
     options = dict(options, activation_checkpoint=lay.recompute, reshard_after_forward=lay.reshard)
     cfg = tracked_config(cfg)
-    if cfg.moe is not None:
+    if cfg.moe is not None and options.get("dispatch") != "hierarchical":  # which has no static path
         options["static_splits"] = True
     if lay.dp > 1 and lay.precision == "bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -384,9 +428,15 @@ def compare(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, **optio
     return {k: (want[k], got[k]) for k in (*PARTS, "total")}
 
 
-def check_memory_report(cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, usable: float) -> str:
-    """The lines ``moe plan --check-memory`` prints: per part, planned and measured GiB."""
-    got = compare(cfg, lay, shape, rank)
+def check_memory_report(
+    cfg: LlamaConfig, lay: Layout, shape: TrainShape, rank: int, usable: float, gpus_per_node: int
+) -> str:
+    """The lines ``moe plan --check-memory`` prints: per part, planned and measured GiB (the
+    two-level dispatch over nodes of ``gpus_per_node``, as the planner's time takes them)."""
+    from .dispatch_time import ep_ranks_per_node
+
+    two_level = {"ranks_per_node": ep_ranks_per_node(lay, gpus_per_node)} if lay.dispatch == "hierarchical" else {}
+    got = compare(cfg, lay, shape, rank, **two_level)
     lines = [f"tracked step of rank {rank} (one micro-batch; PyTorch's memory tracker), GiB planned / measured:"]
     for k, (want, have) in got.items():
         lines.append(f"  {k:<14}{want / 2**30:>9.2f}{have / 2**30:>9.2f}  ({have / max(want, 1):.2f})")
@@ -426,6 +476,7 @@ class Case:
         return f"{self.model}{depth}: {self.layout}{extra}{stage}{loads}"
 
 
+_NODES_OF_4, _NODES_OF_8 = (("ranks_per_node", 4),), (("ranks_per_node", 8),)  # ep ranks a node
 _PIPE = ("fsdp_buffers", "activations")  # the first stage's embedding gradient, a short stage's backward: docs/scale.md
 CASES = [
     Case("llama2-70b", "tp=8,dp_shard=128", n_layers=4),
@@ -441,6 +492,11 @@ CASES = [
     Case("mixtral-8x7b", "tp=8,dp_shard=128", n_layers=2),  # ep=1: the experts in the block's unit
     Case("mixtral-8x7b", "tp=8,etp=1,dp_shard=128", n_layers=2),
     Case("llama2-moe-1.2t", "tp=4,pp=16,ep=8,etp=1,dp_shard=16,reshard=0", pp_rank=1, n_layers=32, differs=_PIPE),
+    # the two-level dispatch, its ep group over nodes of 8 GPUs (its splits told on the host: `_routed`)
+    Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512,dispatch=hierarchical", n_layers=2, options=_NODES_OF_4),
+    Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512,dispatch=hierarchical,chunks=2", n_layers=2, options=_NODES_OF_4),
+    Case("deepseek-v3-like", "ep=64,dp_shard=1024,dispatch=hierarchical", n_layers=5, options=_NODES_OF_8),
+    Case("deepseek-v3-like", "ep=64,dp_shard=1024,dispatch=hierarchical,chunks=2", n_layers=5, options=_NODES_OF_8),
 ]
 # dropless routing at its worst: every token of the ep group to one rank's experts (not a case the
 # planner covers: docs/scale.md)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .base_time import global_base_bytes, global_base_s, uses_global_base
-from .dispatch_time import chunk_latency_s, ep_layer, exchange_s, exposed, fixed_latency_s
+from .dispatch_time import chunk_latency_s, ep_layer, ep_ranks_per_node, exchange_s, exposed, fixed_latency_s
 from .dualpipev import bubble_fraction
 from .hardware import EFFICIENCY, GPU, Efficiency
 from .layout import Layout
@@ -116,7 +116,7 @@ def step_time(
         intra, inter = ep_layer(cfg, lay, T, _routed_rows(cfg, T), a, gpn)
         n_a2a = 6 if lay.recompute else 4  # dispatch + combine, forward and backward
         ep_in_layer, ep_out_layer = n_a2a * intra, n_a2a * inter
-        nodes = lay.ep // min(lay.ep, max(1, gpn // lay.tp))  # the ep group's (its peers are tp ranks apart)
+        nodes = lay.ep // ep_ranks_per_node(lay, gpn)  # the ep group's
         one_way = exchange_s(lay, intra, inter, gpu.nvlink_bw * eff.nvlink, gpu.net_bw * eff.net)
         pair_s = 2 * (one_way + chunk_latency_s(lay, nodes))  # dispatch and combine
         experts_s = _expert_flops(cfg, lay, T) / peak  # one forward of the routed experts

@@ -7,17 +7,29 @@ below the tracker's peak: no layout the planner says fits can exceed the memory 
 
 MoE layers route by BASE's static path in the tracked step (`moe.plan.memcheck.tracked_config`):
 the balanced loads the planner assumes, known on the host, so nothing is read from a fake tensor.
+The two-level dispatch is told its splits on the host for the same loads (`_two_level_splits`),
+checked here against the real count exchange over gloo.
 
-The default suite runs four cases at real widths; ``-m slow`` runs the table of docs/scale.md."""
+The default suite runs five cases at real widths; ``-m slow`` runs the table of docs/scale.md."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
+from moe import MoE, MoEConfig
+from moe.parallel import parallelize_moe
+from moe.parallel.hierarchical import HierarchicalDispatcher
 from moe.plan.cli import main
-from moe.plan.memcheck import CASES, PARTS, WORST, Case, compare
+from moe.plan.memcheck import CASES, PARTS, WORST, Case, _tracked_expert_idx, _two_level_splits, compare, measure
+from moe.routing import expert_capacities_list
+
+from ..parallel.launch import init, spawn
 
 
 def check(case: Case) -> dict:
@@ -81,6 +93,76 @@ def test_mixtral_expert_parallel_step_against_tracker_and_its_worst_case_loads()
         assert worst[part] == got[part]
 
 
+def test_two_level_dispatch_step_against_tracker():
+    """The two-level dispatch (two nodes of four ep ranks) measured as the flat one is: its
+    splits told on the host for the balanced loads with the most (token, node) pairs, which for
+    top-2 over two nodes is every token on both. It keeps for backward what the flat dispatch
+    keeps (the received rows of the exchange between nodes are not kept for their gates, nor the
+    partial sums for their index_add), so the planner's flat rule holds: the activations are
+    within 2% of it (the received rows kept were 6.7% over)."""
+    two_nodes = (("ranks_per_node", 4),)
+    got = check(Case("mixtral-8x7b", "tp=2,ep=8,dp_shard=512,dispatch=hierarchical", n_layers=2, options=two_nodes))
+    want, have = got["activations"]
+    assert abs(have - want) <= 0.02 * want
+
+
+def test_tracked_expert_idx_has_base_loads_and_the_most_pairs():
+    """BASE's loads (the extra slots on the lowest experts), and every token whose slots come
+    before the extra ones on min(K, N) nodes."""
+    for tokens, k, experts, nodes in [(13, 3, 8, 2), (16, 2, 8, 2), (10, 8, 32, 4), (7, 1, 4, 4)]:
+        idx = _tracked_expert_idx((tokens, k), experts, nodes, "balanced")
+        assert idx.shape == (tokens, k)
+        assert torch.bincount(idx.reshape(-1), minlength=experts).tolist() == expert_capacities_list(tokens, experts, k)
+        reached = [len(set((row // (experts // nodes)).tolist())) for row in idx]
+        whole = tokens * k // experts * experts // k  # the tokens before the extra slots
+        assert reached[:whole] == [min(k, nodes)] * whole, (tokens, k, experts, nodes, idx)
+    worst = _tracked_expert_idx((5, 2), 8, 2, "worst", first=6)
+    assert (worst == 6).all()
+
+
+def _splits_worker(rank: int, world: int, store: str) -> None:
+    """4 ranks as 2 nodes x 2, 8 experts: every rank routes the tracked step's experts, and the
+    table the count exchange gives each rank is the one `_two_level_splits` makes on the host."""
+    init(rank, world, store)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        for chunks in (1, 2, 3):
+            for k, tokens in ((2, 16), (3, 13)):
+                torch.manual_seed(0)
+                layer = MoE(MoEConfig(dim=8, hidden_dim=12, num_experts=8, top_k=k))
+                d = parallelize_moe(layer, mesh, dispatch="hierarchical", ranks_per_node=2, chunks=chunks).dispatcher
+                assert isinstance(d, HierarchicalDispatcher) and d.num_nodes == 2
+                for routing in ("balanced", "worst"):
+                    for victim in range(world):  # the rank whose first expert gets every slot, worst case
+                        first = victim * (8 // world)
+                        idx = _tracked_expert_idx((tokens, k), 8, d.num_nodes, routing, first)
+                        read = []
+
+                        def real(table, _routing, read=read):
+                            read.append(table.tolist())
+                            return read[-1]
+
+                        d.read_splits = real
+                        d.pairs(torch.randn(tokens, 8), SimpleNamespace(expert_idx=idx), torch.rand(tokens, k))
+                        told = _two_level_splits(d, (tokens, k), routing, victim)
+                        assert told == read[0], (rank, chunks, k, routing, victim, told, read[0])
+                        if routing == "balanced":
+                            break
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_two_level_splits_told_on_the_host_are_the_count_exchange():
+    spawn(_splits_worker, 4)
+
+
+def test_measure_needs_ranks_per_node_for_the_two_level_dispatch():
+    cfg, lay, shape, rank = Case("tiny", "ep=2,dp_shard=4,dispatch=hierarchical", seq_len=128).setup()
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        measure(cfg, lay, shape, rank)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.name() for c in CASES])
 def test_table_case_against_tracker(case):
@@ -106,6 +188,8 @@ def test_cli_check_memory(capsys, tmp_path):
     assert main([*moe, "--layout", "dp_shard=4"]) == 0  # ep=1: the experts in the block's unit
     out = capsys.readouterr().out
     assert "tracked step of rank 0" in out and "within the" in out
-    assert main([*moe, "--layout", "ep=2,dp_shard=4,dispatch=hierarchical"]) == 2  # refused in one line,
-    err = capsys.readouterr().err.strip().splitlines()  # not a traceback from the child
-    assert len(err) == 1 and "flat expert-parallel dispatch only" in err[0]
+    two_nodes = [*moe, "--gpus-per-node", "1"]  # one ep rank per node: the two-level dispatch over 2 nodes
+    for layout in ("ep=2,dp_shard=4,dispatch=hierarchical", "ep=2,dp_shard=4,dispatch=hierarchical,chunks=2"):
+        assert main([*two_nodes, "--layout", layout]) == 0
+        out = capsys.readouterr().out
+        assert "tracked step of rank 0" in out and "within the" in out
