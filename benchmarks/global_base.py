@@ -299,9 +299,10 @@ def main(argv=None) -> None:
         for tokens in args.T:
             for experts in args.E:
                 for k in args.K:
-                    rows += run(world, tokens, experts, k, scores, args.steps, args.check,
-                                check_max_gb=args.check_max_gb, run_dir=args.run, replay=args.replay_steps)  # fmt: skip
-                    print(markdown(summary(rows[-1:])).splitlines()[-1], flush=True)
+                    got = run(world, tokens, experts, k, scores, args.steps, args.check,
+                              check_max_gb=args.check_max_gb, run_dir=args.run, replay=args.replay_steps)  # fmt: skip
+                    rows += got
+                    print("\n".join(markdown(summary(got)).splitlines()[2:]), flush=True)  # as each one ends
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
