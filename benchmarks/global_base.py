@@ -10,10 +10,18 @@ counts and rows, the certificate's), told apart by the collectives' sizes.
 Scores: ``random`` (Gaussian with a fixed per-expert offset, a fresh draw per step) or
 ``training`` (the router inputs of a tiny Llama-2-MoE with BASE layers, trained in-process for
 ``--steps`` steps on W * T tokens per step; every layer's scores of every step are replayed).
+``--run DIR`` replays a `moe train` run instead: the scores every BASE layer of the model at
+each checkpoint (``--replay-steps``: which) routes on ``--steps`` consecutive batches of the
+run's data from that step on, W * T tokens each (its E and K are the run's).
 Cold: every step from zero prices; warm: each step from the previous step's prices (per layer).
+
+With ``--check`` each objective is compared with the stacked single-process solve's, up to
+``--check-max-gb`` of stacked scores (beyond, that solve's copies would not fit; such rows say
+``not checked``, and the gathered path's bytes are W x T x E x 4 either way).
 
     python -m benchmarks.global_base --W 8 64 256 --T 4096 --E 64 256 --K 1 --scores random
     python -m benchmarks.global_base --W 8 --T 4096 --E 64 --K 1 --scores training --steps 8
+    python -m benchmarks.global_base --W 8 --T 4096 --run runs/base64 --replay-steps 25 400 --steps 2
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ def random_steps(world: int, tokens: int, experts: int, steps: int, seed: int = 
     g = torch.Generator().manual_seed(seed)
     offset = 0.3 * torch.randn(experts, generator=g)
     for _ in range(steps):
-        yield [torch.randn(world * tokens, experts, generator=g) + offset]
+        yield [torch.randn(world * tokens, experts, generator=g).add_(offset)]  # in place: one copy
 
 
 def training_steps(world: int, tokens: int, experts: int, k: int, steps: int, seed: int = 0):
@@ -54,17 +62,7 @@ def training_steps(world: int, tokens: int, experts: int, k: int, steps: int, se
     )  # fmt: skip
     torch.manual_seed(seed)
     model = Llama(cfg)
-    seen: list[torch.Tensor] = []
-    for m in model.modules():
-        router = getattr(m, "router", None)
-        if router is not None and hasattr(router, "assign"):
-            solve = router.assign
-
-            def record(scores, k, _solve=solve, **options):
-                seen.append(scores.detach().clone())
-                return _solve(scores, k, **options)
-
-            router.assign = record
+    seen = _record_assign(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     weights = 1.0 / torch.arange(1, cfg.vocab_size + 1).double()
     g = torch.Generator().manual_seed(seed)
@@ -77,6 +75,72 @@ def training_steps(world: int, tokens: int, experts: int, k: int, steps: int, se
         opt.step()
         opt.zero_grad()
         yield [s[: world * tokens] for s in seen]
+
+
+def run_steps(run_dir: str, world: int, tokens: int, replay: list[int] | None, batches: int):
+    """The scores every BASE layer of a `moe train` run routes, replayed from its checkpoints:
+    per checkpoint (those at the steps in ``replay``, or all), its model's router inputs on
+    ``batches`` consecutive batches of the run's data from that step on (W * T tokens each, in
+    sequences of the run's length; the run's own batches hold fewer). Yields (data step,
+    ``run@<checkpoint step>``, layers)."""
+    from pathlib import Path
+
+    from moe.models.llama import Llama
+    from moe.train.checkpoint import load_model_weights
+    from moe.train.config import TrainConfig, model_config_from_dict, run_tokenizer
+    from moe.train.data import load_corpus, load_tokenizer
+    from moe.train.manifest import read_run_config
+
+    info = read_run_config(Path(run_dir))
+    cfg = TrainConfig.from_dict(info["train"])
+    corpus = load_corpus(cfg.data, load_tokenizer(run_tokenizer(cfg)), seq_len=cfg.seq_len,
+                         val_fraction=cfg.val_fraction, text_key=cfg.text_key)  # fmt: skip
+    found = {int(p.name.split("_")[1]): p for p in Path(run_dir, "checkpoints").glob("step_*")}
+    missing = sorted(set(replay or ()) - set(found))
+    if missing:
+        raise SystemExit(f"--replay-steps: {run_dir} has no checkpoint at steps {missing} (it has {sorted(found)})")
+    seqs = -(-world * tokens // cfg.seq_len)
+    for step in replay or sorted(found):
+        with torch.device("meta"):
+            model = Llama(model_config_from_dict(info["model"]))
+        model.to_empty(device="cpu")
+        model.init_weights()
+        load_model_weights(found[step], model)
+        model.train()  # the router solves BASE only in training mode; no gradients are taken
+        seen = _record_assign(model)
+        for b in range(batches):
+            seen.clear()
+            inputs, _ = corpus.batch(step + b, cfg.seed, seqs, cfg.seq_len)
+            with torch.no_grad():
+                model(inputs)
+            yield step + b, f"run@{step}", [s.flatten(0, -2)[: world * tokens] for s in seen]
+        del model, seen
+
+
+def run_model_config(run_dir: str):
+    """The model config of a `moe train` run folder."""
+    from pathlib import Path
+
+    from moe.train.config import model_config_from_dict
+    from moe.train.manifest import read_run_config
+
+    return model_config_from_dict(read_run_config(Path(run_dir))["model"])
+
+
+def _record_assign(model) -> list[torch.Tensor]:
+    """Wrap every BASE router's solve to keep a copy of its scores; returns the list it fills."""
+    seen: list[torch.Tensor] = []
+    for m in model.modules():
+        router = getattr(m, "router", None)
+        if router is not None and hasattr(router, "assign"):
+            solve = router.assign
+
+            def record(scores, k, _solve=solve, **options):
+                seen.append(scores.detach().clone())
+                return _solve(scores, k, **options)
+
+            router.assign = record
+    return seen
 
 
 def bytes_by_part(log: list[tuple[str, int]], world: int, experts: int) -> dict[str, int]:
@@ -96,45 +160,65 @@ def bytes_by_part(log: list[tuple[str, int]], world: int, experts: int) -> dict[
     return out
 
 
-def run(world: int, tokens: int, experts: int, k: int, scores: str, steps: int, check: bool) -> list[dict]:
+def run(
+    world: int, tokens: int, experts: int, k: int, scores: str, steps: int, check: bool, *,
+    check_max_gb: float = 4.0, run_dir: str | None = None, replay: list[int] | None = None,
+) -> list[dict]:  # fmt: skip
+    """Every solve's figures. With ``check``, each objective is compared with the stacked
+    single-process solve's where the stacked scores take at most ``check_max_gb`` (that solve
+    holds several copies of them); the others are marked not checked. ``scores="run"`` replays
+    the checkpoints of the `moe train` run in ``run_dir`` (``replay``: their steps, or all;
+    ``steps`` batches each), whose model sets E and K."""
     rows = []
-    source = (
-        random_steps(world, tokens, experts, steps)
-        if scores == "random"
-        else training_steps(world, tokens, experts, k, steps)
-    )
+    if scores == "random":
+        source = ((i, scores, x) for i, x in enumerate(random_steps(world, tokens, experts, steps)))
+    elif scores == "training":
+        source = ((i, scores, x) for i, x in enumerate(training_steps(world, tokens, experts, k, steps)))
+    else:
+        k = run_model_config(run_dir).moe.top_k
+        source = run_steps(run_dir, world, tokens, replay, steps)
     prices: dict[int, torch.Tensor | None] = {}
-    for step, layers in enumerate(source):
+    last: int | None = None
+    for step, label, layers in source:
         for layer, x in enumerate(layers):
             parts = list(x.split(tokens))
+            experts = x.shape[1]
+            first = last is None or (scores == "run" and step != last + 1)  # no previous step to start from
             for mode in ("cold", "warm"):
                 start = None if mode == "cold" else prices.get(layer)
-                if mode == "warm" and step == 0:
+                if mode == "warm" and first:
                     continue
                 t0 = time.perf_counter()
                 out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
                 seconds = time.perf_counter() - t0
-                if mode == "warm" or step == 0:
+                if mode == "warm" or first:
                     prices[layer] = p
-                if check:
+                objective = None
+                if check and x.numel() * x.element_size() <= check_max_gb * 1e9:
                     ref = balanced_assignment(x, k)
                     gap = float(assignment_score(x, torch.cat(out)) - assignment_score(x, ref))
                     assert abs(gap) <= (2 * x.shape[0] * k + experts) * 1e-6 * float(x.amax(1).sub(x.amin(1)).amax())
+                    objective, ref = "equal", None
+                elif check:
+                    objective = "not checked"
+                out = None
                 rows.append(
                     dict(
-                        W=world, T=tokens, E=experts, K=k, scores=scores, mode=mode, step=step, layer=layer,
+                        W=world, T=tokens, E=experts, K=k, scores=label, mode=mode, step=step, layer=layer,
                         rounds=st.rounds, updates=st.price_updates, checks=st.checks, bytes=st.bytes,
                         margin_rows=st.margin_rows, gathered_bytes=world * tokens * experts * 4, seconds=seconds,
-                        parts=bytes_by_part(st.log, world, experts),
+                        parts=bytes_by_part(st.log, world, experts), objective=objective,
                     )
                 )  # fmt: skip
+            del parts, x  # before the next step's scores are made
+        last = step
         del layers
     return rows
 
 
 def summary(rows: list[dict]) -> list[dict]:
     out = []
-    keys = sorted({(r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) for r in rows})
+    keys = list(dict.fromkeys((r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) for r in rows))
     for key in keys:
         sel = [r for r in rows if (r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) == key]
         med = {f: statistics.median(r[f] for r in sel) for f in ("rounds", "bytes", "margin_rows", "seconds")}
@@ -142,15 +226,26 @@ def summary(rows: list[dict]) -> list[dict]:
             dict(zip(("W", "T", "E", "K", "scores", "mode"), key, strict=True))
             | med
             | dict(n=len(sel), max_rounds=max(r["rounds"] for r in sel), gathered_bytes=sel[0]["gathered_bytes"])
+            | dict(objective=_objective([r.get("objective") for r in sel]))
         )
     return out
 
 
+def _objective(marks: list) -> str | None:
+    """One summary's objective check: ``equal`` (every solve checked), ``equal (a of n checked)``,
+    ``not checked``, or None without ``--check``."""
+    done = sum(m == "equal" for m in marks)
+    if all(m is None for m in marks):
+        return None
+    return "equal" if done == len(marks) else f"equal ({done} of {len(marks)} checked)" if done else "not checked"
+
+
 def markdown(table: list[dict]) -> str:
+    checked = any(r.get("objective") for r in table)
     lines = [
         "| W | T | E | K | scores | start | rounds (median, max) | bytes per rank | gathered bytes | ratio "
-        "| margin rows (share) | solve s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| margin rows (share) | solve s |" + (" objective |" if checked else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if checked else ""),
     ]
     for r in table:
         share = r["margin_rows"] / (r["W"] * r["T"])
@@ -158,28 +253,56 @@ def markdown(table: list[dict]) -> str:
             f"| {r['W']} | {r['T']} | {r['E']} | {r['K']} | {r['scores']} | {r['mode']} | {r['rounds']:g}, "
             f"{r['max_rounds']} | {r['bytes'] / 1e6:.3f} MB | {r['gathered_bytes'] / 1e6:.1f} MB | "
             f"{r['bytes'] / r['gathered_bytes']:.2%} | {r['margin_rows']:g} ({share:.2%}) | {r['seconds']:.2f} |"
+            + (f" {r.get('objective') or ''} |" if checked else "")
         )
     return "\n".join(lines)
 
 
+def _large_buffers_from_mmap() -> None:
+    """glibc: serve buffers of 128 KiB and more by mmap, so that the W shards' per-solve
+    temporaries go back to the system when freed (from the heap, fragmentation kept about one
+    more copy of the scores resident at W = 64, E = 256). No-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv=None) -> None:
+    _large_buffers_from_mmap()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--W", type=int, nargs="+", default=[8])
     ap.add_argument("--T", type=int, nargs="+", default=[4096])
     ap.add_argument("--E", type=int, nargs="+", default=[64])
     ap.add_argument("--K", type=int, nargs="+", default=[1])
     ap.add_argument("--scores", choices=("random", "training"), default="random")
-    ap.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is cold only)")
+    ap.add_argument("--run", help="replay a `moe train` run folder's checkpoints instead (its model sets E and K)")
+    ap.add_argument("--replay-steps", type=int, nargs="+", help="with --run: the checkpoints' steps (default: all)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is cold only); "
+                    "with --run, consecutive batches per checkpoint")  # fmt: skip
     ap.add_argument("--check", action="store_true", help="compare each objective with the single-process solve")
+    ap.add_argument("--check-max-gb", type=float, default=4.0,
+                    help="check only where the stacked scores take at most this many GB (that solve holds "
+                    "several copies; the gathered bytes are reported either way)")  # fmt: skip
     ap.add_argument("--json", help="write every solve's figures here")
     args = ap.parse_args(argv)
     rows = []
+    scores = "run" if args.run else args.scores
+    if args.run:  # the run's model fixes E and K
+        cfg = run_model_config(args.run)
+        args.E, args.K = [cfg.moe.num_experts], [cfg.moe.top_k]
+    elif args.replay_steps:
+        ap.error("--replay-steps needs --run")
     for world in args.W:
         for tokens in args.T:
             for experts in args.E:
                 for k in args.K:
-                    rows += run(world, tokens, experts, k, args.scores, args.steps, args.check)
-                    print(markdown(summary(rows[-1:])).splitlines()[-1], flush=True)
+                    got = run(world, tokens, experts, k, scores, args.steps, args.check,
+                              check_max_gb=args.check_max_gb, run_dir=args.run, replay=args.replay_steps)  # fmt: skip
+                    rows += got
+                    print("\n".join(markdown(summary(got)).splitlines()[2:]), flush=True)  # as each one ends
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -133,6 +133,37 @@ def test_global_base_benchmark_rows_on_random_and_training_scores():
     assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))
 
 
+def test_global_base_benchmark_checks_up_to_its_limit():
+    from benchmarks.global_base import markdown, run, summary
+
+    rows = run(2, 32, 8, 1, "random", 2, check=True, check_max_gb=2 * 32 * 8 * 4 / 1e9)
+    assert [r["objective"] for r in rows] == ["equal"] * 3
+    rows = run(2, 32, 8, 1, "random", 2, check=True, check_max_gb=2 * 32 * 8 * 4 / 1e9 / 2)
+    assert [r["objective"] for r in rows] == ["not checked"] * 3  # the gathered bytes are counted still
+    assert all(r["gathered_bytes"] == 2 * 32 * 8 * 4 for r in rows)
+    assert markdown(summary(rows)).splitlines()[-1].endswith("| not checked |")
+
+
+def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path):
+    from benchmarks import global_base
+
+    from .train.run import TINY, corpus, moe
+
+    run_dir = tmp_path / "run"
+    moe("train", *TINY, "--data", corpus(tmp_path), "--router", "base", "--experts", 8, "--top-k", 1, "--steps", 4,
+        "--checkpoint-every", 1, "--keep", 8, "--out", run_dir)  # fmt: skip
+    rows = global_base.run(2, 64, 0, 0, "run", 2, True, run_dir=str(run_dir), replay=[1, 4])
+    solves = [(r["scores"], r["step"], r["mode"]) for r in rows if r["layer"] == 0]
+    assert solves == [("run@1", 1, "cold"), ("run@1", 2, "cold"), ("run@1", 2, "warm"),
+                      ("run@4", 4, "cold"), ("run@4", 5, "cold"), ("run@4", 5, "warm")]  # fmt: skip
+    assert {r["layer"] for r in rows} == {0, 1}  # the tiny preset's two MoE layers
+    assert all(r["E"] == 8 and r["K"] == 1 and r["objective"] == "equal" for r in rows)
+    with pytest.raises(SystemExit, match="no checkpoint at steps \\[7\\]"):
+        global_base.main(["--run", str(run_dir), "--replay-steps", "7", "--W", "2", "--T", "64"])
+    with pytest.raises(SystemExit):
+        global_base.main(["--replay-steps", "1"])
+
+
 def test_node_bytes_count_what_crosses_between_nodes(capsys):
     """The inter-node counts follow the uniform expectation without a node limit, the node limit
     caps the nodes a token reaches at M, and deduplication halves the top-8 bytes under M=4."""

@@ -306,10 +306,10 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     stats.margin_rows = ids.numel()
     extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
     fixed = [(~nr) for nr in near]
-    sent = []  # (E, T) per shard: the columns its gathered rows carry
+    sent = []  # per shard: the columns its gathered rows carry
     for s, nr, (_, got) in zip(s_parts, near, made, strict=True):
-        sent.append(torch.zeros_like(s, dtype=torch.bool))
-        sent[-1][:, nr] = got
+        sent.append(_Sent(s.shape[1], num_experts, s.device))
+        sent[-1].set(nr.nonzero().flatten(), got)
     outs = [out.clone() for out, _ in picks]
     applied, ok = 0, False
     start = p.cpu().numpy().astype(s_res.numpy().dtype)
@@ -331,13 +331,14 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         bad, short = [], []  # fixed tokens that fail; gathered rows whose missing columns fail
         for s, out, fx, sn in zip(s_parts, outs, fixed, sent, strict=True):
             local = fx.nonzero().flatten()
-            part = (~sn.all(0) & ~fx).nonzero().flatten()
+            part = (~fx).nonzero().flatten()  # the gathered rows: those that lack a column
+            part = part[~sn.of(part).all(0)]
             if check == 63:
                 bad.append(local)
                 short.append(part)
                 continue
             bad.append(local[violations(s.index_select(1, local), q, out.index_select(0, local), delta)])
-            short.append(part[_short(s.index_select(1, part), q, out.index_select(0, part), sn[:, part], delta)])
+            short.append(part[_short(s.index_select(1, part), q, out.index_select(0, part), sn.of(part), delta)])
         counts = []
         for rank, b, sh in zip(red.ranks, bad, short, strict=True):
             c = torch.zeros(2 * world, dtype=torch.int64, device=b.device)
@@ -356,7 +357,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         more = red.gather([r for r, _ in made], b_sizes).cpu()
         for fx, sn, b, sh, (_, got) in zip(fixed, sent, bad, short, made, strict=True):
             fx[b] = False
-            sn[:, torch.cat([b, sh])] = got
+            sn.set(torch.cat([b, sh]), got)
         new_ids, new_slots, new_s = _unpack(more, k, dtype, num_experts, width)
         at = {int(i): j for j, i in enumerate(ids.tolist())}
         again = torch.tensor([at.get(int(i), -1) for i in new_ids.tolist()], dtype=torch.int64)
@@ -372,6 +373,27 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     _write(outs, ids, slots, starts, sizes, red)
     shift = prices - prices.mean()
     return outs, shift, ok
+
+
+class _Sent:
+    """The columns one shard's gathered rows carry: (E, n) bool for its n gathered tokens, kept
+    for those alone (a (E, T) mask would cost a quarter of the float32 scores)."""
+
+    def __init__(self, num_tokens: int, num_experts: int, device) -> None:
+        self.at = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)  # column in cols, or -1
+        self.cols = torch.zeros(num_experts, 0, dtype=torch.bool, device=device)
+
+    def set(self, local: Tensor, got_En: Tensor) -> None:
+        """Tokens ``local`` (distinct) carry the columns ``got`` now."""
+        new = local[self.at[local] < 0]
+        n = self.cols.shape[1]
+        self.at[new] = torch.arange(n, n + new.numel(), device=self.at.device)
+        self.cols = torch.cat([self.cols, self.cols.new_zeros(self.cols.shape[0], new.numel())], 1)
+        self.cols[:, self.at[local]] = got_En
+
+    def of(self, local: Tensor) -> Tensor:
+        """(E, n): the columns gathered tokens ``local`` carry."""
+        return self.cols[:, self.at[local]]
 
 
 def _short(s_ET: Tensor, q_E: Tensor, out_TK: Tensor, sent_ET: Tensor, delta: float) -> Tensor:
