@@ -5,7 +5,7 @@ of the tracker, or be one the case names as differing (docs/scale.md says why; t
 summed must not fall more than 10% under the tracker's), and the planner's total must never be
 below the tracker's peak: no layout the planner says fits can exceed the memory by its count.
 
-MoE layers route by BASE's static path in the tracked step (`moe.plan.memcheck.tracked_config`):
+MoE layers route by BASE's static path in the tracked step (`moe.plan.tracked_routing.tracked_config`):
 the balanced loads the planner assumes, known on the host, so nothing is read from a fake tensor.
 The two-level dispatch is told its splits on the host for the same loads (`_two_level_splits`),
 checked here against the real count exchange over gloo.
@@ -26,7 +26,8 @@ from moe import MoE, MoEConfig
 from moe.parallel import parallelize_moe
 from moe.parallel.hierarchical import HierarchicalDispatcher
 from moe.plan.cli import main
-from moe.plan.memcheck import CASES, PARTS, WORST, Case, _tracked_expert_idx, _two_level_splits, compare, measure
+from moe.plan.memcheck import CASES, PARTS, WORST, Case, compare, measure
+from moe.plan.tracked_routing import _tracked_expert_idx, _two_level_splits
 from moe.routing import expert_capacities_list
 
 from ..parallel.launch import init, spawn
