@@ -70,12 +70,10 @@ def bubble_fraction(pp: int, microbatches: int, backward_ratio: float = 2.0) -> 
     last = 2 * pp - 1
 
     def ready(kind: str, stage: int, mb: int) -> float | None:
-        dep = ("F", stage - 1, mb) if kind == "F" and stage > 0 else ("B", stage + 1, mb) if kind == "B" else None
-        if kind == "B" and stage == last:
-            dep = ("F", stage, mb)
-        if dep is None:
-            return 0.0
-        return done.get(dep)
+        """When the step's input is done (None: not yet)."""
+        if kind == "F":
+            return 0.0 if stage == 0 else done.get(("F", stage - 1, mb))
+        return done.get(("F", stage, mb) if stage == last else ("B", stage + 1, mb))
 
     while any(pos[r] < len(orders[r]) for r in range(pp)):
         progressed = False
