@@ -20,6 +20,7 @@ every FSDP group shares this root mesh, as FSDP2's 2-D layouts require.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -113,8 +114,26 @@ class LlamaMesh:
     def mean_over_dp(self, value: Tensor) -> Tensor:
         """The mean of a per-rank value over the data-parallel ranks (e.g. the reported loss)."""
         out = value.detach().clone()
-        dist.all_reduce(out, group=self.world["dp"].get_group())
+        group = self.world["dp"].get_group()
+        dist.all_reduce(out, group=group)
+        if dist.get_backend(group) == "gloo":
+            _released_by_gloo(out)
         return out / self.dp_size
 
     def describe(self) -> dict[str, int]:
         return {d: self.size(d) for d in _WORLD_DIMS}
+
+
+def _released_by_gloo(t: Tensor, timeout_s: float = 1.0) -> None:
+    """Wait, up to ``timeout_s``, until gloo's worker thread has dropped its reference to ``t``.
+
+    The worker lets go of a collective's tensors a moment after the caller's wait returns. If
+    the caller's Python object of the tensor is gone by then (a reported loss, read with
+    ``.item()``) the worker must take the GIL to free it, and if the interpreter is already
+    shutting down (this was the script's last collective) the process aborts with "terminate
+    called without an active exception" after its work is done. Holding ``t`` until the worker
+    has let go makes the worker's release GIL-free. The sleeps release the GIL.
+    """
+    deadline = time.monotonic() + timeout_s
+    while t._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(1e-4)
