@@ -34,7 +34,7 @@ FITTED = {"gemm": (0.6, 0.85), "gemm_fp8": (0.4, 0.8), "attention": (0.35, 0.7),
 def _row(run: PublishedRun, eff: Efficiency) -> dict:
     cfg = run.config()
     shape = TrainShape(seq_len=run.seq_len, global_batch_tokens=run.global_batch_seqs * run.seq_len)
-    t = step_time(cfg, run.layout, shape, gpu_from_spec(run.gpu, run.gpu_spec), eff=eff)
+    t = step_time(cfg, run.layout, shape, gpu_from_spec(run.gpu, run.gpu_spec), eff=eff, attention=run.attention)
     published, ours = run.tokens_per_s_per_gpu, t.tokens_per_s_per_gpu
     if published is None:  # throughput given as model TFLOP/s only: compare those
         published, ours = run.tflops_per_gpu, t.tflops_per_gpu

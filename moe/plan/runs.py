@@ -3,9 +3,11 @@
 Each row is the published layout in our terms: Megatron's DP ranks are our ``dp_shard`` (``ep``
 folded onto them), Megatron's distributed optimizer and plain DDP gather or reduce once a step
 (our ``reshard=0``), its fp16 or bf16 mixed precision our ``bf16``. Where a source leaves out a
-field, the row says what was assumed. ``split`` says whether the efficiencies were fitted on the
-row ("fit") or it only checks them ("held-out"); the split was fixed before any new row's error
-was computed (docs/scale.md says why).
+field, the row says what was assumed. ``attention`` describes the model's attention where it
+is not the Llama attention of its `LlamaConfig` (DeepSeek-V3's MLA: `moe.plan.attention`).
+``split`` says whether the efficiencies were fitted on the row ("fit") or it only checks them
+("held-out"); the split was fixed before any new row's error was computed (docs/scale.md says
+why).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 from ..config import MoEConfig
 from ..models.llama import LlamaConfig
+from .attention import DEEPSEEK_V3_MLA, AttentionShape
 from .layout import Layout
 
 __all__ = ["A100_SPEC", "RUNS", "PublishedRun", "megatron_tflops_to_tokens"]
@@ -36,6 +39,7 @@ class PublishedRun:
     source: str
     split: str = "fit"  # "fit" or "held-out"
     gpu_spec: str | None = None  # --gpu-spec overrides of the preset
+    attention: AttentionShape | None = None  # None: the Llama attention of `config()`
 
     def config(self) -> LlamaConfig:
         return LlamaConfig.from_name(self.model) if isinstance(self.model, str) else self.model
@@ -98,7 +102,8 @@ RUNS = [
         4096, 15360, 1543.0, None,
         "DeepSeek-V3 report: 180K H800 hours per trillion tokens = 1543 tokens/s/GPU; batch 15360 x 4096; "
         "node-limited routing (8 groups = the 8 nodes of an ep group, 4 kept), two-level dispatch, "
-        "2 chunks standing for DualPipe's two overlapped micro-batches",
+        "2 chunks standing for DualPipe's two overlapped micro-batches; MLA attention (DEEPSEEK_V3_MLA)",
+        attention=DEEPSEEK_V3_MLA,
     ),
     PublishedRun(
         "Llama 3 405B, 8,192 H100, bf16, TP8 PP16 DP64", LLAMA3_405B, "h100",
@@ -152,7 +157,8 @@ RUNS = [
         "docs.nvidia.com/nemo/automodel/nightly/performance-summary.html (github.com/NVIDIA-NeMo/Automodel, "
         "docs/performance-summary.md), DGX-H100 BF16: GBS 512, local batch 8, GA 1, seq 4096, "
         "PP4 VP8 EP64 FSDP64, 8.18 s per step (examples/llm_benchmark/deepseek/deepseek_v3_te_deepep.yaml: "
-        "interleaved 1F1B, activation checkpointing, reshard_after_forward false, DeepEP, fake balanced gate)",
-        split="held-out",
+        "interleaved 1F1B, activation checkpointing, reshard_after_forward false, DeepEP, fake balanced gate); "
+        "MLA attention (DEEPSEEK_V3_MLA)",
+        split="held-out", attention=DEEPSEEK_V3_MLA,
     ),
 ]  # fmt: skip

@@ -4,6 +4,10 @@ Legend: T tokens of one micro-batch, S sequence, D model dim, Dq = H * Dh, Dkv =
 F dense width, Fe expert width, Fs shared width, E experts, K top-k, V vocabulary,
 M micro-batches, P pipeline ranks, Vs stages per pipeline rank, Tp tensor ranks, a activation bytes.
 
+Attention is the Llama attention of the `LlamaConfig` (grouped-query, head dim D / H) unless
+``attention`` describes another (`AttentionShape`: DeepSeek-V3's MLA for its published runs),
+whose projections are counted as GEMMs and whose QK^T and AV over Dqk and Dv as attention.
+
 Overlap assumptions (the same for every layout):
 - Compute: GEMMs at `Efficiency.gemm` of the bf16 peak (fp8: `Efficiency.gemm_fp8` of the fp8
   peak; both fitted, `moe.plan.calibrate`), attention at
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
+from .attention import AttentionShape
 from .base_time import global_base_bytes, global_base_s, uses_global_base
 from .dispatch_time import chunk_latency_s, ep_layer, ep_ranks_per_node, exchange_s, exposed, fixed_latency_s
 from .dualpipev import bubble_fraction
@@ -38,10 +43,15 @@ from .shards import stage_summary
 __all__ = ["StepTime", "model_flops_per_token", "step_time"]
 
 
-def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int, attention: AttentionShape | None = None) -> float:
     """The usual "model FLOPs" (Megatron / NeMo MFU convention): 6 x active parameters +
-    12 L S Dq for attention (counted without the causal half), per token of a training step."""
-    return 6 * cfg.num_active_params() + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    12 L S Dq for attention (counted without the causal half), per token of a training step.
+    With ``attention`` (an `AttentionShape`): its parameters in place of the Llama attention's,
+    and 6 L S H (Dqk + Dv) for attention."""
+    if attention is None:
+        return 6 * cfg.num_active_params() + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    params = cfg.num_active_params() + cfg.n_layers * (attention.params(cfg.dim) - cfg._attention_params())
+    return 6 * params + 6 * cfg.n_layers * seq_len * attention.score_value_width
 
 
 @dataclass
@@ -59,14 +69,21 @@ class StepTime:
     mfu: float = 0.0  # model FLOPs against the bf16 dense peak
 
 
-def _layer_flops(cfg: LlamaConfig, lay: Layout, i: int, T: int, S: int) -> tuple[float, float, float]:
+def _layer_flops(
+    cfg: LlamaConfig, lay: Layout, i: int, T: int, S: int, attention: AttentionShape | None = None
+) -> tuple[float, float, float]:
     """(GEMM FLOPs, attention FLOPs, elementwise bytes) of layer ``i`` for one micro-batch on
-    one rank, forward + backward (+ the forward again under recompute)."""
+    one rank, forward + backward (+ the forward again under recompute); ``attention`` None:
+    the Llama attention of ``cfg``."""
     D, t, a = cfg.dim, lay.tp, (4 if lay.precision == "fp32" else 2)
-    dq, dkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     passes = 4 if lay.recompute else 3  # backward = 2 forwards
-    gemm = 2 * T * (D * (dq + 2 * dkv) + dq * D) / t
-    attn = 4 * T * S * dq / t * 0.5  # QK^T and AV, causal: half the pairs
+    if attention is None:
+        dq, dkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        gemm = 2 * T * (D * (dq + 2 * dkv) + dq * D) / t
+        attn = 4 * T * S * dq / t * 0.5  # QK^T and AV, causal: half the pairs
+    else:  # its projections; QK^T over Dqk and AV over Dv, causal: half the pairs
+        gemm = 2 * T * attention.projection_params(D) / t
+        attn = 2 * T * S * attention.score_value_width / t * 0.5
     elem = T * 15 * D * a
     if not cfg.is_moe_layer(i):
         gemm += 2 * T * 3 * D * cfg.ffn_hidden_dim / t
@@ -97,9 +114,10 @@ def _group_bw(gpu: GPU, eff: Efficiency, span: int, gpn: int) -> float:
 
 def step_time(
     cfg: LlamaConfig, lay: Layout, shape: TrainShape, gpu: GPU, *, gpus_per_node: int = 8,
-    eff: Efficiency = EFFICIENCY, cache: dict | None = None,
+    eff: Efficiency = EFFICIENCY, cache: dict | None = None, attention: AttentionShape | None = None,
 ) -> StepTime:  # fmt: skip
-    """The step-time estimate of ``lay`` (one optimizer step of ``shape.global_batch_tokens``)."""
+    """The step-time estimate of ``lay`` (one optimizer step of ``shape.global_batch_tokens``);
+    ``attention``: the model's attention where it is not ``cfg``'s Llama attention."""
     M, S = shape.microbatches(lay), shape.seq_len
     T = lay.micro_batch * S
     a = 4 if lay.precision == "fp32" else 2
@@ -108,7 +126,7 @@ def step_time(
     gpn = gpus_per_node
     D = cfg.dim
 
-    flops = {kind: _layer_flops(cfg, lay, i, T, S) for kind, i in _kinds(cfg)}
+    flops = {kind: _layer_flops(cfg, lay, i, T, S, attention) for kind, i in _kinds(cfg)}
     n_coll = 12 if lay.recompute else 8  # AG + RS before/after attention and MLP, forward + backward
     tp_layer = n_coll * (lay.tp - 1) / lay.tp * T * D * a if lay.tp > 1 else 0.0
     ep_in_layer = ep_out_layer = ep_layer_s = ep_hidden_layer_s = base_layer_s = base_layer_b = 0.0
@@ -184,9 +202,10 @@ def step_time(
     hidden = max(0.0, fsdp_s + dp_s + pp_s - compute_s)
     step = busy + bubble + hidden + optimizer_s
     cache = {} if cache is None else cache
-    if ("model_flops", S) not in cache:
-        cache[("model_flops", S)] = model_flops_per_token(cfg, S)
-    mf = cache[("model_flops", S)] * shape.global_batch_tokens
+    key = ("model_flops", S) if attention is None else ("model_flops", S, attention)
+    if key not in cache:
+        cache[key] = model_flops_per_token(cfg, S, attention)
+    mf = cache[key] * shape.global_batch_tokens
     out = StepTime(
         step_s=step, compute_s=compute_s, bubble_s=bubble,
         exposed_s={"tp": M * tp_mb, "ep_all_to_all": M * ep_mb, "global_base": M * base_mb,
