@@ -132,8 +132,11 @@ def _released_by_gloo(t: Tensor, timeout_s: float = 1.0) -> None:
     ``.item()``) the worker must take the GIL to free it, and if the interpreter is already
     shutting down (this was the script's last collective) the process aborts with "terminate
     called without an active exception" after its work is done. Holding ``t`` until the worker
-    has let go makes the worker's release GIL-free. The sleeps release the GIL.
+    has let go makes the worker's release GIL-free. The sleeps release the GIL; the last one
+    gives the workers of the other groups (FSDP's last reduce-scatter, say), which may still be
+    waiting for the GIL to free their own tensors, a moment to take it.
     """
     deadline = time.monotonic() + timeout_s
     while t._use_count() > 1 and time.monotonic() < deadline:
         time.sleep(1e-4)
+    time.sleep(1e-3)
