@@ -202,7 +202,7 @@ def step_time(
     hidden = max(0.0, fsdp_s + dp_s + pp_s - compute_s)
     step = busy + bubble + hidden + optimizer_s
     cache = {} if cache is None else cache
-    key = ("model_flops", S) if attention is None else ("model_flops", S, attention)
+    key = ("model_flops", S, attention)  # an AttentionShape is frozen: hashable, like None
     if key not in cache:
         cache[key] = model_flops_per_token(cfg, S, attention)
     mf = cache[key] * shape.global_batch_tokens
