@@ -12,7 +12,8 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 1. a header (one max of 8 + 3W values): shapes, dtypes, which ranks' scores are invalid or not
    finite, the token counts, the scale. A bad input on one rank raises on every rank;
 2. the prices: damped Jacobi updates, one sum of E x 18 int32 counts each (`price_prices`),
-   until the loads miss the capacities by at most E slots in all;
+   until the loads miss the capacities by at most E slots in all, or at most 40 updates from
+   zero prices and 20 from a previous call's (`PRICE_ITERS`);
 3. the margin: every token picks its K best under the prices; those whose K-th choice is
    ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
    last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
@@ -24,19 +25,23 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    every column); the others count as ``UNSENT``, below every score. Fewer than 2E rows
    in the band widen it first, to the bin edge with enough below it (one more sum): so thin a
    margin leaves the cycles too few moves to take up the loads' last misses, the certificate's
-   prices move far from the picks' and many fixed tokens fail;
+   prices move far from the picks' and many fixed tokens fail. Where the price updates reach
+   their cap, the prices are further off than their last move says, and the margin holds at
+   least an eighth of the tokens (`CAPPED_SHARE`);
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
-   joins the margin rows with its slots, a margin row that fails travels again with every
-   column (one gather), and the cycles go on. When none fails, no cycle over the whole group
+   joins the margin rows with its slots, a margin row that fails travels again with its K + 8
+   best columns under the new prices, added to those it carried (one gather for both), and
+   the cycles go on. When none fails, no cycle over the whole group
    gains more than the tolerance: the optimality condition of the transportation problem, as
    in the single-process solver (docs/routing.md).
 
 Every step is a deterministic function of summed integers, maxima and gathered rows, so every
 rank computes the same result. Every loop is bounded: the bands grow geometrically to the
 whole problem (then the residual is the gathered problem), each certificate round adds a row
-or completes one.
+or a column a row did not carry (one of its K + 8 best under the new prices beats what it
+holds, and the carried ones passed), and after `LAST_CHECK` rounds every row travels whole.
 """
 
 from __future__ import annotations
@@ -58,8 +63,11 @@ _DTYPES = {torch.float32: 1, torch.float64: 2}
 BAND = 1.0  # the first margin band, in units of the last price move
 MIN_BAND = 1e-6
 MIN_ROWS = 2  # per expert: a thinner margin leaves the cycles too few moves, and many fixed tokens fail
+CAPPED_SHARE = 1 / 8  # of the tokens, at least, at the margin when the price updates reach their cap
+PRICE_ITERS = (40, 20)  # the cap on the price updates, cold and warm started
 UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
 SENT = 8  # columns a margin row carries beyond its K slots: its best under the prices
+LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
 
@@ -154,7 +162,7 @@ def price_balanced_assignment(
     extras: str = "best",
     eps: float = 1e-6,
     prices: Tensor | None = None,
-    max_price_iters: int = 40,
+    max_price_iters: int | None = None,
     max_cycles: int | None = None,
 ) -> tuple[list[Tensor], Tensor | None, PriceStats]:
     """The exact balanced assignment of the stacked problem, each shard keeping its rows.
@@ -164,7 +172,9 @@ def price_balanced_assignment(
         k, extras, eps: as in `balanced_assignment` (the same capacities, tolerance, jitter).
         red: the collectives (`GroupReduce` over a process group, `ShardReduce` in one process).
         prices: (E,) a previous call's prices to start from (the returned ones), or None.
-        max_price_iters: cap on the price updates (each one collective).
+        max_price_iters: cap on the price updates (each one collective); None: `PRICE_ITERS`, 40 from
+            zero prices and 20 from given ones. Where the cap is reached, the margin holds at least
+            `CAPPED_SHARE` of the tokens.
         max_cycles: cap on the exchange cycles; None allows N * K + E.
 
     Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 or None when there
@@ -181,6 +191,8 @@ def price_balanced_assignment(
     if total == 0 or k == num_experts:
         res = [torch.arange(k, device=device).expand(x.shape[0], k).clone() for x in parts_TE]
         return res, None, _finish(stats, red, rounds0, values0, bytes0)
+    if max_price_iters is None:
+        max_price_iters = PRICE_ITERS[prices is not None]
     with torch.inference_mode():
         s_parts, starts = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
         caps = _Capacities(total, num_experts, k, extras, device)
@@ -190,7 +202,10 @@ def price_balanced_assignment(
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles
-        out, p_final, ok = _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats)
+        capped = stats.price_updates >= max_price_iters
+        out, p_final, ok = _solve_margin(
+            s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats, capped
+        )
         if not ok:
             warnings.warn(
                 f"price_balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
@@ -258,7 +273,7 @@ def _unpack(rows: Tensor, k: int, dtype, num_experts: int, cols: int) -> tuple[T
     return rows[:, 0], rows[:, 1 : 1 + k], s.T.contiguous()
 
 
-def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats):
+def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats, capped=False):
     """Steps 3 and 4 of the module docstring. Returns (slots per shard, prices, certified)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
@@ -282,7 +297,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         summed = red.sum(counts).cpu()
         room = cap.cpu() - summed[:num_experts]
         m_sizes = summed[num_experts : num_experts + world].tolist()
-        want = min(MIN_ROWS * num_experts, total)
+        want = min(max(MIN_ROWS * num_experts, int(CAPPED_SHARE * total) if capped else 0), total)
         if sum(m_sizes) < want and not last:  # to the first edge with enough rows below it: one more count
             below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
             band = float(edges[int((below < want).sum())])
@@ -313,7 +328,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     outs = [out.clone() for out, _ in picks]
     applied, ok = 0, False
     start = p.cpu().numpy().astype(s_res.numpy().dtype)
-    for check in range(64):  # each round adds at least one row; past 63, every row (the whole problem)
+    for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
         graph = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
         # the search starts from the prices the fixed tokens were picked under, so the
         # certificate's prices rise from them only where a margin row's move needs it and few
@@ -333,7 +348,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             local = fx.nonzero().flatten()
             part = (~fx).nonzero().flatten()  # the gathered rows: those that lack a column
             part = part[~sn.of(part).all(0)]
-            if check == 63:
+            if check == LAST_CHECK:
                 bad.append(local)
                 short.append(part)
                 continue
@@ -349,7 +364,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         if sum(b_sizes) == 0:
             ok = True
             break
-        width = num_experts if bool(summed[world:].any()) else cols  # a short row comes back whole
+        width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
         made = [
             _rows(s, q[:, None], out, torch.cat([b, sh]), st, width)  # their best under the new prices
             for s, out, b, sh, st in zip(s_parts, outs, bad, short, starts, strict=True)
@@ -362,7 +377,8 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         at = {int(i): j for j, i in enumerate(ids.tolist())}
         again = torch.tensor([at.get(int(i), -1) for i in new_ids.tolist()], dtype=torch.int64)
         old = again >= 0
-        s_res[:, again[old]] = new_s[:, old]  # their slots are the ones held already
+        # their slots are the ones held already; the columns they carried before stay
+        s_res[:, again[old]] = torch.where(new_s[:, old] == UNSENT, s_res[:, again[old]], new_s[:, old])
         new = ~old
         ids = torch.cat([ids, new_ids[new]])
         slots = torch.cat([slots, new_slots[new]])
@@ -384,12 +400,12 @@ class _Sent:
         self.cols = torch.zeros(num_experts, 0, dtype=torch.bool, device=device)
 
     def set(self, local: Tensor, got_En: Tensor) -> None:
-        """Tokens ``local`` (distinct) carry the columns ``got`` now."""
+        """Tokens ``local`` (distinct) carry the columns ``got`` too."""
         new = local[self.at[local] < 0]
         n = self.cols.shape[1]
         self.at[new] = torch.arange(n, n + new.numel(), device=self.at.device)
         self.cols = torch.cat([self.cols, self.cols.new_zeros(self.cols.shape[0], new.numel())], 1)
-        self.cols[:, self.at[local]] = got_En
+        self.cols[:, self.at[local]] |= got_En
 
     def of(self, local: Tensor) -> Tensor:
         """(E, n): the columns gathered tokens ``local`` carry."""

@@ -106,6 +106,24 @@ def test_top_k_margin_is_a_thin_share():
     assert warm_stats.rounds < stats.rounds
 
 
+@pytest.mark.parametrize("iters", [1, 3])
+def test_capped_price_updates_widen_the_margin(iters):
+    """Price updates stopped at their cap (far from converged): the margin holds at least
+    `CAPPED_SHARE` of the tokens, the result is still the single-process solver's, and the
+    warm start's default cap is the lower one."""
+    sizes = [200 + 11 * i for i in range(8)]
+    x = make_scores(7, sum(sizes), 16, "gauss", torch.float32)
+    ref = same_order(balanced_assignment(x, 2))
+    out, prices, stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), max_price_iters=iters)
+    assert stats.price_updates == iters
+    assert stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
+    assert torch.equal(same_order(torch.cat(out)), ref)
+    far = prices + torch.linspace(-0.3, 0.3, 16, dtype=prices.dtype)  # a poor warm start
+    warm, _, warm_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), prices=far)
+    assert warm_stats.price_updates <= price_base.PRICE_ITERS[1]
+    assert torch.equal(same_order(torch.cat(warm)), ref)
+
+
 @given(
     sizes=sizes_st,
     e=st.integers(4, 14),
@@ -116,10 +134,11 @@ def test_top_k_margin_is_a_thin_share():
     sent=st.integers(0, 2),
 )
 @example(sizes=[12, 12, 12, 12], e=14, k=2, kind="gauss", extras="best", seed=3, sent=0)
-def test_rows_short_of_columns_come_back_whole(sizes, e, k, kind, extras, seed, sent):
+def test_rows_short_of_columns_come_back_with_more(sizes, e, k, kind, extras, seed, sent):
     """Margin rows carrying only their slots and ``sent`` more columns: the certificate finds
-    the rows whose missing columns could gain, they travel again with every column, and the
-    result is the single-process solver's optimum."""
+    the rows whose missing columns could gain, they travel again with their best columns under
+    the new prices added to the ones they carried, and the result is the single-process
+    solver's optimum."""
     total = sum(sizes)
     x = make_scores(seed, total, e, kind)
     with mock.patch.object(price_base, "SENT", sent):
