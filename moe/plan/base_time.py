@@ -14,9 +14,8 @@ int64 each). Rounds: 6 + `PRICE_UPDATES`, 10-17 measured on random scores at W =
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
 all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, and the rank's
 own passes over its (T, E) scores (histograms, the pick) read them `PASSES` times from HBM.
-Early in training, scores with exact ties take up to 50 rounds and gather far more margin rows
-(measured on a tiny model's first steps); this model is of the separated scores of a trained
-router.
+This model is of separated (random) scores. A trained router's replayed scores take 25-31
+rounds warm and gather 15-21% of the tokens at W = 64 (docs/scale.md costs that case).
 """
 
 from __future__ import annotations
