@@ -202,9 +202,10 @@ def price_balanced_assignment(
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles
-        capped = stats.price_updates >= max_price_iters
+        capped = stats.price_updates >= max_price_iters  # the prices are further off than their last move
+        min_rows = min(max(MIN_ROWS * num_experts, int(CAPPED_SHARE * total) if capped else 0), total)
         out, p_final, ok = _solve_margin(
-            s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats, capped
+            s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats
         )
         if not ok:
             warnings.warn(
@@ -273,11 +274,12 @@ def _unpack(rows: Tensor, k: int, dtype, num_experts: int, cols: int) -> tuple[T
     return rows[:, 0], rows[:, 1 : 1 + k], s.T.contiguous()
 
 
-def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, stats, capped=False):
-    """Steps 3 and 4 of the module docstring. Returns (slots per shard, prices, certified)."""
+def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats):
+    """Steps 3 and 4 of the module docstring, the band widened to hold at least ``min_rows``
+    tokens. Returns (slots per shard, prices, certified)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
-    world, total = red.world, sum(sizes)
+    world = red.world
     p1 = p.to(dtype)[:, None]
     picks = [_pick(s, p1, k) for s in s_parts]
     cols = min(num_experts, k + SENT)
@@ -297,10 +299,9 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         summed = red.sum(counts).cpu()
         room = cap.cpu() - summed[:num_experts]
         m_sizes = summed[num_experts : num_experts + world].tolist()
-        want = min(max(MIN_ROWS * num_experts, int(CAPPED_SHARE * total) if capped else 0), total)
-        if sum(m_sizes) < want and not last:  # to the first edge with enough rows below it: one more count
+        if sum(m_sizes) < min_rows and not last:  # to the first edge with enough rows below it: one more count
             below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
-            band = float(edges[int((below < want).sum())])
+            band = float(edges[int((below < min_rows).sum())])
             continue
         if bool((room >= 0).all()):
             made = [
