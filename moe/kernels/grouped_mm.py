@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch import library as torch_library
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import workspace
 from .dtypes import MATMUL_DTYPES
@@ -180,18 +181,36 @@ def _setup(ctx, inputs, output) -> None:
     ctx.trans_w, ctx.backend = trans_w, backend
 
 
-def _backward(ctx, dy_MN):
+def _backward(ctx, dy_MN, plain: bool = False):
+    # plain: the functions behind the ops, without their dispatch (a backward building no graph)
+    forward, wgrad = (_forward, _wgrad) if plain else (_grouped_mm_op, _wgrad_op)
     x_MI, w, counts_E = ctx.saved_tensors
     dy_MN = dy_MN.to(x_MI.dtype).contiguous()  # e.g. the stride-0 gradient of y.sum()
     dx = dw = None
     if ctx.needs_input_grad[0]:  # dX = dY @ w[e].T: the forward on the transposed weight
-        dx = _grouped_mm_op(dy_MN, w, counts_E, not ctx.trans_w, ctx.backend, x_MI.dtype)
+        dx = forward(dy_MN, w, counts_E, not ctx.trans_w, ctx.backend, x_MI.dtype)
     if ctx.needs_input_grad[1]:
-        dw = _wgrad_op(x_MI, dy_MN, counts_E, ctx.trans_w, ctx.backend)
+        dw = wgrad(x_MI, dy_MN, counts_E, ctx.trans_w, ctx.backend)
     return dx, dw, None, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _EagerGroupedMM(torch.autograd.Function):
+    """The op's forward and backward without the custom op's dispatch, for eager CPU calls
+    (`workspace.usable`, no Python dispatch mode): the dispatch and its autograd wrapper cost
+    about 60 us a call, more than a small expert's GEMM. A backward that builds a graph
+    (``create_graph``) goes through the differentiable op, so higher derivatives flow as before."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        _setup(ctx, inputs, None)
+        return _forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        return _backward(ctx, dy_MN, plain=not torch.is_grad_enabled())  # grad enabled: create_graph
 
 
 def grouped_mm(
@@ -220,11 +239,15 @@ def grouped_mm(
 
     The op is registered as ``torch.ops.moe.grouped_mm`` with a fake implementation and its
     backward (``moe::grouped_mm_wgrad`` for dW), so it compiles under ``torch.compile`` without a
-    graph break. Host syncs: a few inside the op to check the counts (and to split by them for
-    the loop, or to build the Triton tile schedule); none when the counts are on the host.
+    graph break; eager CPU calls run the same functions without the op's dispatch. Host syncs:
+    a few inside the op to check the counts (and to split by them for the loop, or to build the
+    Triton tile schedule); none when the counts are on the host.
     """
     _check(x_MI, w_EIN, counts_E, trans_w, backend)
     if out_dtype is not None and not out_dtype.is_floating_point:
         raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
     backend = resolve_backend(backend, x_MI)
-    return _grouped_mm_op(x_MI.contiguous(), w_EIN, counts_E.to(torch.int64), trans_w, backend, out_dtype or x_MI.dtype)
+    args = (x_MI.contiguous(), w_EIN, counts_E.to(torch.int64), trans_w, backend, out_dtype or x_MI.dtype)
+    if backend == "torch" and workspace.usable(x_MI, w_EIN) and _get_current_dispatch_mode() is None:
+        return _EagerGroupedMM.apply(*args)  # under a dispatch mode the op stays one opaque call
+    return _grouped_mm_op(*args)

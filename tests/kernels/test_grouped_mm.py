@@ -183,6 +183,26 @@ def test_gradcheck_fp64_and_opcheck(backend, trans_w):
     torch_library.opcheck(torch.ops.moe.grouped_mm.default, (x, w, counts, trans_w, backend, torch.float64))
 
 
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_eager_path_equals_the_op_and_has_second_derivatives(trans_w):
+    # eager CPU calls skip the custom op's dispatch: the same values and gradients as the op,
+    # and a backward with create_graph goes through the op, so dX's derivatives flow
+    x, w, counts = case(29, 4, 16, 8, torch.float32, trans_w)
+    dy = torch.randn(29, 8, generator=torch.Generator().manual_seed(1))
+    with torch.profiler.profile() as prof:
+        y = grouped_mm(x, w, counts, trans_w=trans_w, backend="torch")
+        grads = torch.autograd.grad(y, (x, w), dy)
+    assert not any(ev.key.startswith("moe::") for ev in prof.key_averages())  # the eager path ran
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y2 = torch.ops.moe.grouped_mm(x2, w2, counts, trans_w, "torch", torch.float32)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    for got, want in zip(grads, torch.autograd.grad(y2, (x2, w2), dy), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    x64, w64, c64 = case(11, 3, 5, 4, torch.float64, trans_w)  # dX is differentiable (dW is not, as in the op)
+    w64 = w64.detach()
+    torch.autograd.gradgradcheck(lambda x_: grouped_mm(x_, w64, c64, trans_w=trans_w, backend="torch"), (x64,))
+
+
 def test_unaligned_weights_and_single_input_grads():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(5, 24, 41, generator=g)[..., :40]  # row stride of 41 floats: not 16-byte aligned
