@@ -43,6 +43,7 @@ class HostReads(TorchDispatchMode):
         self.reads: list[str] = []
         self._kept: list = []  # tainted storages, alive so that their ids are never reused
         self._ids: set[int] = set()
+        self._in_moe_op = False
         for t in sources:
             self._taint(t)
 
@@ -81,7 +82,11 @@ class HostReads(TorchDispatchMode):
         dirty = any(self.tainted(t) for t in inputs)
         if dirty and self._reads(func, args, kwargs):
             self.reads.append(str(func))
-        out = func(*args, **kwargs)
+        inside, self._in_moe_op = self._in_moe_op, self._in_moe_op or func.namespace == "moe"
+        try:  # a moe:: op's own reads (its counts' tolist) are recorded once, as the op
+            out = func(*args, **kwargs)
+        finally:
+            self._in_moe_op = inside
         if dirty:
             schema = func._schema.arguments  # positional arguments the op writes to
             written = [a for a, s in zip(args, schema, strict=False) if s.alias_info and s.alias_info.is_write]
@@ -114,7 +119,7 @@ class HostReads(TorchDispatchMode):
 
     def _recording(self, name: str, method):
         def read(t, *args, **kwargs):
-            if self.tainted(t):
+            if self.tainted(t) and not self._in_moe_op:
                 self.reads.append(f"Tensor.{name}")
             return method(t, *args, **kwargs)
 

@@ -88,10 +88,13 @@ def _use_grouped_mm_cpu(x_MI: Tensor, w_EIN: Tensor, out_numel: int) -> bool:
     )
 
 
-def _check_counts(counts_E: Tensor, num_rows: int) -> None:
-    # a data-dependent check: it runs inside the op, where torch.compile does not trace
-    if bool((counts_E < 0).any()) or int(counts_E.sum()) != num_rows:
-        raise ValueError(f"counts must be >= 0 and sum to the M = {num_rows} rows of x, got {counts_E.tolist()}")
+def _check_counts(counts_E: Tensor, num_rows: int) -> list[int]:
+    """The counts as host ints, checked (one host read). A data-dependent check: it runs inside
+    the op, where torch.compile does not trace."""
+    rows = counts_E.tolist()
+    if min(rows, default=0) < 0 or sum(rows) != num_rows:
+        raise ValueError(f"counts must be >= 0 and sum to the M = {num_rows} rows of x, got {rows}")
+    return rows
 
 
 def _offsets(counts_E: Tensor, device: torch.device) -> Tensor:
@@ -101,7 +104,7 @@ def _offsets(counts_E: Tensor, device: torch.device) -> Tensor:
 
 def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: str, out_dtype) -> Tensor:
     """y = x @ w[e] per group (w[e].T with trans_w), stored in out_dtype, without autograd."""
-    _check_counts(counts_E, x_MI.shape[0])
+    rows = _check_counts(counts_E, x_MI.shape[0])
     w_EIN = w.transpose(1, 2) if trans_w else w  # a view: no copy
     if backend == "triton":
         from .triton_grouped_mm import triton_forward
@@ -115,7 +118,6 @@ def _forward(x_MI: Tensor, w: Tensor, counts_E: Tensor, trans_w: bool, backend: 
     # torch's matmuls accumulate bf16 and fp16 in fp32 (on CPU too: the same error as fp32 math
     # rounded once, measured); a wider out_dtype multiplies in that dtype
     acc = torch.promote_types(x_MI.dtype, out_dtype)
-    rows = counts_E.tolist()
     if acc == out_dtype == x_MI.dtype == w_EIN.dtype:  # the common case: no casts to dispatch
         for x_e, w_e, y_e in zip(x_MI.split(rows), w_EIN.unbind(0), out.split(rows), strict=True):
             torch.mm(x_e, w_e, out=y_e)
@@ -249,5 +251,8 @@ def grouped_mm(
     backend = resolve_backend(backend, x_MI)
     args = (x_MI.contiguous(), w_EIN, counts_E.to(torch.int64), trans_w, backend, out_dtype or x_MI.dtype)
     if backend == "torch" and workspace.usable(x_MI, w_EIN) and _get_current_dispatch_mode() is None:
-        return _EagerGroupedMM.apply(*args)  # under a dispatch mode the op stays one opaque call
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return _EagerGroupedMM.apply(*args)  # under a dispatch mode the op stays one opaque call
+        with torch.profiler.record_function("moe::grouped_mm"):  # the op's name in a trace
+            return _EagerGroupedMM.apply(*args)
     return _grouped_mm_op(*args)
