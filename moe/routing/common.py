@@ -5,6 +5,8 @@ Legend: T tokens, D model dim, E experts, K expert slots per token, N = T*K slot
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -72,6 +74,13 @@ def check_tokens(x_TD: Tensor, dim: int, *, host_check: bool = True, values: boo
         raise ValueError(what)
 
 
+def _all_finite(t: Tensor) -> bool:
+    """Whether every value of ``t`` is finite, with one reduction and one host read: a NaN or an
+    Inf anywhere makes the sum non-finite. Only a non-finite sum (or finite values whose sum
+    overflows) takes the elementwise check."""
+    return math.isfinite(float(t.detach().sum())) or bool(torch.isfinite(t).all())
+
+
 def check_logits(logits_TE: Tensor, x_TD: Tensor, *, host_check: bool = True) -> None:
     """Raise ValueError unless the router logits of ``x_TD`` are finite.
 
@@ -90,7 +99,7 @@ def check_logits(logits_TE: Tensor, x_TD: Tensor, *, host_check: bool = True) ->
     if not host_check:
         what = f"x must be finite: found NaN or Inf in x of shape {shape} or in its fp32 router logits"
         torch._assert_async(torch.isfinite(logits_TE).all(), what)
-    elif logits_TE.numel() and not bool(torch.isfinite(logits_TE).all()):  # host sync
+    elif logits_TE.numel() and not _all_finite(logits_TE):  # host sync
         if not bool(torch.isfinite(x_TD).all()):  # only on the way to the error
             raise ValueError(f"x must be finite: found NaN or Inf in a tensor of shape {shape}")
         raise ValueError(

@@ -65,7 +65,7 @@ class ExpertChoiceRouter(GatedRouter):
         counts_E = taken_ET.sum(dim=1)
         stats = None  # plain floats need host reads, which a compiled graph cannot make
         if not torch.compiler.is_compiling():
-            stats = routing_stats(counts_E, num_tokens, int((~taken_TE.any(dim=1)).sum()), probs_TE)
+            stats = routing_stats(counts_E, num_tokens, (~taken_TE.any(dim=1)).sum(), probs_TE)
         return RoutingResult(
             expert_idx=idx_TE, weights=weights_TE, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )

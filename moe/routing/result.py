@@ -13,30 +13,74 @@ from torch import Tensor
 __all__ = ["RoutingResult", "RoutingStats", "routing_stats"]
 
 
-@dataclass(frozen=True)
 class RoutingStats:
-    """Balance and confidence of one routing decision (plain floats, computed without autograd)."""
+    """Balance and confidence of one routing decision, as plain floats:
 
-    max_load: float  # max_e counts[e] / mean_e counts[e]; 1.0 is perfect balance
-    load_cv: float  # coefficient of variation of counts (std / mean)
-    dropped_fraction: float  # dropped slots / (T * K)
-    entropy: float  # mean over tokens of the entropy (nats) of the router's probabilities
+    - ``max_load``: max_e counts[e] / mean_e counts[e]; 1.0 is perfect balance;
+    - ``load_cv``: the coefficient of variation of the counts (std / mean);
+    - ``dropped_fraction``: dropped slots / (T * K);
+    - ``entropy``: the mean over tokens of the entropy (nats) of the router's probabilities.
+
+    Built by `routing_stats` from detached tensors; the floats are computed, with their host
+    reads, the first time one of them is read, so a step that never reads them makes no reads
+    and almost no work for them. Only the counts and a scalar are kept, not the probabilities.
+    """
+
+    __slots__ = ("_counts_E", "_num_slots", "_dropped", "_entropy", "_values")
+
+    def __init__(self, counts_E: Tensor, num_slots: int, dropped: int | Tensor, entropy: Tensor | float) -> None:
+        self._counts_E, self._num_slots, self._dropped, self._entropy = counts_E, num_slots, dropped, entropy
+        self._values: tuple[float, float, float, float] | None = None
+
+    def _read(self) -> tuple[float, float, float, float]:
+        if self._values is None:
+            c = self._counts_E.double()
+            mean = float(c.mean()) if c.numel() else 0.0
+            max_load = float(c.max()) / mean if mean > 0 else 0.0
+            cv = float(c.std(unbiased=False)) / mean if mean > 0 else 0.0
+            dropped_fraction = float(self._dropped) / self._num_slots if self._num_slots else 0.0
+            self._values = (max_load, cv, dropped_fraction, float(self._entropy))
+            self._counts_E = self._dropped = self._entropy = None  # read once: nothing more to keep
+        return self._values
+
+    @property
+    def max_load(self) -> float:
+        return self._read()[0]
+
+    @property
+    def load_cv(self) -> float:
+        return self._read()[1]
+
+    @property
+    def dropped_fraction(self) -> float:
+        return self._read()[2]
+
+    @property
+    def entropy(self) -> float:
+        return self._read()[3]
+
+    def __repr__(self) -> str:
+        max_load, cv, dropped, entropy = self._read()
+        return f"RoutingStats(max_load={max_load}, load_cv={cv}, dropped_fraction={dropped}, entropy={entropy})"
 
 
-def routing_stats(counts_E: Tensor, num_slots: int, dropped: int | Tensor, probs_TE: Tensor | None) -> RoutingStats:
-    """Build `RoutingStats` from per-expert counts, the number of slots T*K and dropped slots."""
+def routing_stats(
+    counts_E: Tensor, num_slots: int, dropped: int | Tensor | None, probs_TE: Tensor | None
+) -> RoutingStats:
+    """`RoutingStats` from per-expert counts, the number of slots T*K, the dropped slots (None:
+    ``num_slots - counts_E.sum()``) and the router's probabilities. No host reads here; three
+    small reductions for the entropy, so the probabilities need not be kept."""
     with torch.no_grad():
-        c = counts_E.double()
-        mean = c.mean() if c.numel() else c.new_zeros(())
-        max_load = float(c.max() / mean) if c.numel() and mean > 0 else 0.0
-        cv = float(c.std(unbiased=False) / mean) if c.numel() and mean > 0 else 0.0
-        dropped_fraction = float(dropped) / num_slots if num_slots else 0.0
-        if probs_TE is None or probs_TE.numel() == 0:
-            entropy = 0.0
-        else:
-            p = probs_TE.detach().double()
-            entropy = float(-(p * p.clamp(min=1e-30).log()).sum(-1).mean())
-    return RoutingStats(max_load=max_load, load_cv=cv, dropped_fraction=dropped_fraction, entropy=entropy)
+        counts_E = counts_E.detach().clone()  # the counts of this decision, whatever later changes them
+        if dropped is None:
+            dropped = num_slots - counts_E.sum()
+        elif isinstance(dropped, Tensor):
+            dropped = dropped.detach()
+        entropy: Tensor | float = 0.0
+        if probs_TE is not None and probs_TE.numel():
+            p = probs_TE.detach()
+            entropy = torch.special.entr(p if p.dtype == torch.float64 else p.float()).sum() / p.shape[0]
+    return RoutingStats(counts_E, num_slots, dropped, entropy)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ class TopKRouter(GatedRouter):
             counts_E = bincount(idx_TK, num_experts)
         stats = None  # plain floats need host reads, which a compiled graph cannot make
         if not torch.compiler.is_compiling():
-            stats = routing_stats(counts_E, num_tokens * k, num_tokens * k - counts_E.sum(), probs_TE)
+            stats = routing_stats(counts_E, num_tokens * k, None, probs_TE)
         return RoutingResult(
             expert_idx=idx_TK, weights=gates_TK, counts=counts_E, aux_loss=aux_loss, z_loss=z_loss, stats=stats
         )

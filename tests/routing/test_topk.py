@@ -5,6 +5,7 @@ Legend: T tokens, D model dim, E experts, K slots per token, G expert groups.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -289,3 +290,27 @@ def test_seq_len_is_required_by_the_sequence_loss_and_must_divide_T():
         r(_x(6), seq_len=4)
     with pytest.raises(ValueError, match=r"seq_len must be None or an int >= 1, got 0"):
         r(_x(6), seq_len=0)
+
+
+def test_stats_are_computed_when_read_and_match_numpy():
+    # the floats cost host reads, so they are made on first read; until then only the counts
+    # and a device scalar are kept
+    from ..host_reads import HostReads
+
+    r = _router(3, num_experts=5, top_k=2, capacity_factor=0.8)
+    x = _x(23, 3)
+    with HostReads(x, r.weight) as seen:
+        res = r(x)
+        before = list(seen.reads)
+        stats = res.stats
+        assert seen.reads == before  # building the stats read nothing
+        values = (stats.max_load, stats.load_cv, stats.dropped_fraction, stats.entropy)
+        assert len(seen.reads) > len(before)
+        assert (stats.max_load, stats.load_cv, stats.dropped_fraction, stats.entropy) == values  # computed once
+    c = res.counts.double().numpy()
+    p = _scores(r, x).double().numpy()
+    entropy = float(-(p * np.log(p)).sum(1).mean())
+    dropped = (res.expert_idx < 0).sum().item() / (23 * 2)
+    assert dropped > 0  # the capacity dropped some slots
+    assert values == pytest.approx((c.max() / c.mean(), c.std() / c.mean(), dropped, entropy), rel=1e-6)
+    assert repr(stats).startswith("RoutingStats(max_load=")
