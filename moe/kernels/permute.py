@@ -129,10 +129,15 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_se
 # When every slot is kept (M = T K, known from the shapes) each token's K rows are gathered in
 # slot order and summed by one batched matmul, (T, 1, K) @ (T, K, D), instead of a scatter-add
 # over tokens, which on CPU sorts the indices and, on two threads, stalls when a core is busy
-# (docs/benchmarks.md, "The layer against its peers over a grid of shapes").
+# (docs/benchmarks.md, "The layer against its peers over a grid of shapes"). A matmul
+# accumulates bf16 and fp16 in fp32 and rounds once, so with weights of the rows' dtype the
+# sum runs in that dtype: the fp32 result rounded once, without casting the rows to fp32.
 def _sum_slots(rows_MD: Tensor, row_of_slot: Tensor, weights_TK: Tensor, acc: torch.dtype) -> Tensor:
-    """sum_k weights[t, k] * rows[row_of_slot[t K + k]] for every token t, when M = T K."""
+    """sum_k weights[t, k] * rows[row_of_slot[t K + k]] for every token t, when M = T K; in
+    ``acc``, or in the rows' dtype when the weights have it."""
     num_tokens, k = weights_TK.shape
+    if weights_TK.dtype == rows_MD.dtype:
+        acc = rows_MD.dtype
     gathered = torch.index_select(rows_MD, 0, row_of_slot, out=_empty(row_of_slot.shape[0], rows_MD))
     out = _empty(num_tokens, rows_MD, acc)
     torch.bmm(
@@ -167,7 +172,7 @@ class _TorchUnpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor, row_of_slot: Tensor) -> Tensor:
         acc = torch.promote_types(y_MD.dtype, torch.float32)
-        ctx.save_for_backward(y_MD, weights_TK, slot, token)
+        ctx.save_for_backward(y_MD, weights_TK, slot, token, row_of_slot)
         if y_MD.shape[0] == weights_TK.numel() > 0:  # every slot kept
             return _sum_slots(y_MD, row_of_slot, weights_TK, acc).to(y_MD.dtype)
         w_M = weights_TK.reshape(-1)[slot].to(acc)
@@ -177,11 +182,16 @@ class _TorchUnpermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TD: Tensor):
-        y_MD, weights_TK, slot, token = ctx.saved_tensors
+        y_MD, weights_TK, slot, token, row_of_slot = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph
             inputs = (y_MD, weights_TK, slot, token)
             return (*workspace.tracked_grads(_unpermute_plain, inputs, ctx.needs_input_grad[:4], dout_TD), None)
         acc = torch.promote_types(y_MD.dtype, torch.float32)
+        if y_MD.shape[0] == weights_TK.numel() > 0 and weights_TK.dtype == y_MD.dtype != acc:  # bf16, fp16
+            dy, dw = _every_slot_grads(
+                ctx.needs_input_grad, dout_TD.to(y_MD.dtype), y_MD, weights_TK, slot, row_of_slot
+            )
+            return dy, dw, None, None, None
         d_rows = torch.index_select(dout_TD.to(acc), 0, token, out=_empty(token.shape[0], y_MD, acc))
         dw = None
         if ctx.needs_input_grad[1]:  # <dout[t], y[row]> per kept slot, zero where dropped
@@ -192,6 +202,26 @@ class _TorchUnpermute(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # to() returns d_rows itself when the dtype is already y's
             dy = d_rows.mul_(weights_TK.reshape(-1)[slot].to(acc)[:, None]).to(y_MD.dtype)
         return dy, dw, None, None, None
+
+
+def _every_slot_grads(needs, dout_TD: Tensor, y_MD: Tensor, weights_TK: Tensor, slot: Tensor, row_of_slot: Tensor):
+    """unpermute's (dy, dweights) when every slot is kept and y and the weights are both bf16
+    (or fp16), by batched matmuls in that dtype, which accumulate in fp32 and round once, with
+    no fp32 copies of the rows: dweights[t, k] = <dout[t], y[row]> over each token's rows
+    gathered in slot order, and dy[row] = weights[t, k] dout[t], made in slot order and
+    gathered back into row order (row r holds slot ``slot[r]``). In fp32 the elementwise
+    product and row sums measured faster, so fp32 keeps them."""
+    num_tokens, k = weights_TK.shape
+    dout = dout_TD.contiguous().view(num_tokens, -1, 1)
+    dy = dw = None
+    if needs[1]:
+        rows = torch.index_select(y_MD, 0, row_of_slot, out=_empty(row_of_slot.shape[0], y_MD))
+        dw = torch.bmm(rows.view(num_tokens, k, -1), dout).view(num_tokens, k)
+    if needs[0]:
+        per_slot = _empty(slot.shape[0], y_MD)
+        torch.bmm(weights_TK.view(num_tokens, k, 1), dout.view(num_tokens, 1, -1), out=per_slot.view(num_tokens, k, -1))
+        dy = torch.index_select(per_slot, 0, slot, out=_empty(slot.shape[0], y_MD))
+    return dy, dw
 
 
 def _unpermute_plain(y_MD: Tensor, weights_TK: Tensor, slot: Tensor, token: Tensor) -> Tensor:
