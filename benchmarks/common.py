@@ -44,19 +44,24 @@ def timed(fn, repeats: int, sync=None) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def timed_turns(fns: dict, repeats: int, sync=None, before=None, warmup: int = 1) -> dict[str, list[float]]:
+def timed_turns(
+    fns: dict, repeats: int, sync=None, before=None, warmup: int = 1, apart: bool = False
+) -> dict[str, list[float]]:
     """Seconds of every run of each function, the functions taking turns within each repeat
     (after ``warmup`` untimed runs each), so drift in the machine's speed hits them alike.
-    ``before`` runs, untimed, before every run (e.g. a barrier)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            once(fn, sync)
+    ``before`` runs, untimed, before every run (e.g. a barrier). ``apart``: each function's
+    warm-up and repeats back to back instead, one function after another, so each runs as
+    if alone (what the others leave in the caches and the allocator does not reach it)."""
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            if before:
-                before()
-            samples[name].append(once(fn, sync))
+    for group in [[name] for name in fns] if apart else [list(fns)]:
+        for name in group:
+            for _ in range(warmup):
+                once(fns[name], sync)
+        for _ in range(repeats):
+            for name in group:
+                if before:
+                    before()
+                samples[name].append(once(fns[name], sync))
     return samples
 
 

@@ -4,6 +4,7 @@ default; ``--device cuda --dtype bfloat16`` on a GPU).
     python -m benchmarks.layer_grid                      # the small points (D/F = 256/512)
     python -m benchmarks.layer_grid --points small mid   # and D/F = 1024/2816 at T <= 2048
     python -m benchmarks.layer_grid --T 2048 --D 256 --F 512 --E 8 --K 2   # one point
+    python -m benchmarks.layer_grid --apart --touch 64   # each alone; 64 MiB of fresh memory between steps
 
 At every point the contenders take turns within each repeat (one warm-up each, then
 --repeats), and the table gives each one's median ms, the min-max spread, and the ratios the
@@ -18,6 +19,10 @@ goals are stated in: ours / torchtitan, ours / Megatron, ours / the dense-equiva
 - transformers' `MixtralSparseMoeBlock`, its eager and grouped_mm experts.
 All hold weights drawn N(0, 0.02) and read the same (T, D) input. The load average is printed
 before and after: take figures only when both are under 0.3.
+
+Taking turns, each contender runs just after the others, in the caches and the allocator they
+left; ``--apart`` runs each one's repeats back to back instead, as if alone, and ``--touch``
+makes and frees fresh memory before every step, as the rest of a model would.
 """
 
 from __future__ import annotations
@@ -119,7 +124,15 @@ def _step(run, module, x):
     module.zero_grad(set_to_none=True)
 
 
-def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32):
+def _touch(mib: int):
+    """Make, write and free ``mib`` MiB of fresh memory: what the rest of a model (attention,
+    other layers) does between two calls of the layer."""
+    if not mib:
+        return None
+    return lambda: torch.ones(mib << 18).add_(1.0)  # float32: 2**18 numbers a MiB
+
+
+def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32, apart=False, touch=0):
     torch.manual_seed(0)
     x = torch.randn(t, d, device=device, dtype=dtype)
     fns = {}
@@ -133,7 +146,7 @@ def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32):
         except Exception as err:  # a peer this install lacks: say so, compare the rest
             print(f"skip {name} at T={t} D={d} F={f} E={e} K={k}: {type(err).__name__}: {err}", file=sys.stderr)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
-    times = timed_turns(fns, repeats, sync)
+    times = timed_turns(fns, repeats, sync, before=_touch(touch), apart=apart)
     med = {n: statistics.median(ts) for n, ts in times.items()}
 
     def ratio(a, b):
@@ -187,6 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--only", nargs="+", default=None, choices=sorted(CONTENDERS), help="these contenders only")
     ap.add_argument("--profile", action="store_true", help="with one point: where each contender's time goes")
+    ap.add_argument(
+        "--apart", action="store_true", help="each contender's repeats back to back, not taking turns (as if alone)"
+    )
+    ap.add_argument(
+        "--touch", type=int, default=0, metavar="MIB", help="make, write and free MIB MiB of memory before every run"
+    )
     args = ap.parse_args(argv)
     one = (args.T, args.D, args.F, args.E, args.K)
     if any(v is not None for v in one) and None in one:
@@ -211,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|" + "---|" * (3 + len(CONTENDERS) + 4))
     for p in points:
-        print(point(*p, args.repeats, args.only, args.device, getattr(torch, args.dtype)), flush=True)
+        row = point(*p, args.repeats, args.only, args.device, getattr(torch, args.dtype), args.apart, args.touch)
+        print(row, flush=True)
     print(f"\nload after {os.getloadavg()[0]:.2f}")
 
 

@@ -96,6 +96,34 @@ def test_layer_grid_point_has_every_contender_and_the_ratios():
     assert float(base_vs_dense) > 0
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["turns", "apart"])
+def test_timed_turns_order_and_counts(apart):
+    from benchmarks.common import timed_turns
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "ab"}
+    times = timed_turns(fns, repeats=3, before=lambda: calls.append("-"), warmup=2, apart=apart)
+    assert {name: len(ts) for name, ts in times.items()} == {"a": 3, "b": 3}
+    if apart:  # each one's warm-ups and repeats back to back, one after the other
+        assert "".join(calls) == "aa-a-a-a" + "bb-b-b-b"
+    else:  # every warm-up first, then the two take turns
+        assert "".join(calls) == "aabb" + "-a-b" * 3
+
+
+def test_layer_grid_touch_makes_fresh_memory_between_runs():
+    from benchmarks import layer_grid
+
+    assert layer_grid._touch(0) is None
+    assert layer_grid._touch(3)().nbytes == 3 << 20
+
+
+def test_combine_benchmark_times_both_paths():
+    from benchmarks import combine
+
+    cells = [c.strip() for c in combine.point(16, 2, 8, 4, repeats=1).strip("|").split("|")]
+    assert cells[:3] == ["16", "2", "8"] and float(cells[-1]) > 0
+
+
 def test_layer_grid_profile_splits_each_contenders_time():
     from benchmarks import layer_grid
 
