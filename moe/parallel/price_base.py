@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern
+from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern, _sub_transposed
 from ..routing.exchange import _Graph, held_mask, violations
 from .price_prices import capacities, jacobi_prices
 from .reduction import Reduction
@@ -145,7 +145,7 @@ def _normalise(parts_TE, red, sizes, big, half, dtype, jitter) -> list[Tensor]:
         scale = float(red.max([v.reshape(1) for v in local]))
     out = []
     for x, hi, start in zip(xs, his, starts, strict=True):
-        s = torch.sub(x.T, hi).to(dtype)
+        s = _sub_transposed(x, hi, x.new_empty(x.shape[::-1], dtype=dtype))
         if scale > 0:
             s.div_(scale)
         if jitter > 0:

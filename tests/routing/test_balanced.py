@@ -333,6 +333,24 @@ def test_solves_reuse_their_work_buffers_without_sharing_results(k):
     assert torch.equal(balanced_assignment(x, k), kept)  # new buffers, same answer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_tiled_transposing_normalise_equals_one_pass(monkeypatch, dtype):
+    """Large inputs are normalised in blocks of tokens read transposed (`_sub_transposed`); with
+    blocks forced small, a ragged last one included, the result and the solve must not change."""
+    import moe.routing.balanced.inputs as inputs
+
+    scores = make_scores(7, 203, 12, "gauss", dtype)
+    whole = _normalise(scores, jitter=1e-6)
+    expected = balanced_assignment(scores, 2)
+    monkeypatch.setattr(inputs, "_TILE_BYTES", 16 * 12 * scores.element_size())  # blocks of 16 tokens
+    assert torch.equal(_normalise(scores, jitter=1e-6), whole)
+    out = torch.empty(12, 203, dtype=torch.promote_types(dtype, torch.float32))
+    hi = scores.amax(dim=1).to(out.dtype)
+    assert torch.equal(inputs._sub_transposed(scores, hi, out), scores.T.to(out.dtype) - hi)
+    release_work_buffers()
+    assert torch.equal(balanced_assignment(scores, 2), expected)
+
+
 def balanced_workspace_ptr() -> int | None:
     from moe.routing.balanced import _workspace
 

@@ -42,6 +42,7 @@ from .inputs import (
     _normalise,
     _normalise_nosync,
     _nothing_to_solve,
+    _sub_transposed,
 )
 from .pairs import _above, _keep_best, _keep_best_device, _keep_best_host, _pair_layout, _pair_layout_host, _Pairs
 from .pick import _fill, _select, _swap_in, _top_values

@@ -24,13 +24,13 @@ def _jitter_pattern(
     return torch.add(u.to(dtype), v.to(dtype)[:, None], out=out).frac_()
 
 
-_WORKSPACE_MAX_BYTES = 64 << 20  # per thread: the CPU work buffers kept between solves
+_WORKSPACE_MAX_BYTES = 128 << 20  # per thread: the CPU work buffers kept between solves
 _workspace = threading.local()
 
 
 def release_work_buffers() -> None:
     """Free the CPU work buffers this thread keeps for its next solve of the same shape (up to
-    64 MB; `balanced_assignment` keeps them to avoid a page fault per 4 KiB on every call). The
+    128 MB; `balanced_assignment` keeps them to avoid a page fault per 4 KiB on every call). The
     next solve makes new ones."""
     _workspace.__dict__.pop("held", None)
 

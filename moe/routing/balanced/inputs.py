@@ -59,8 +59,7 @@ def _normalise(scores: Tensor, jitter: float, work: _Work | None = None) -> Tens
     if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
         scale = float((hi - lo).amax())
-    # one pass that reads x transposed and subtracts (on CPU about half a transposing copy and a sub_)
-    s = torch.sub(x.T, hi, out=x.new_empty(x.shape[::-1], dtype=dtype) if work is None else work.s)
+    s = _sub_transposed(x, hi, x.new_empty(x.shape[::-1], dtype=dtype) if work is None else work.s)
     if scale > 0:
         s.div_(scale)
     return _add_jitter(s, jitter, None if work is None else work.pattern)
@@ -76,8 +75,26 @@ def _normalise_nosync(scores: Tensor, jitter: float, work: _Work) -> Tensor:
     x = x / x.abs().amax().clamp(min=torch.finfo(dtype).tiny)
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     scale = (hi - lo).amax()
-    s = torch.sub(x.T, hi, out=work.s).div_(torch.where(scale > 0, scale, 1.0))
+    s = _sub_transposed(x, hi, work.s).div_(torch.where(scale > 0, scale, 1.0))
     return _add_jitter(s, jitter, work.pattern)
+
+
+_TILE_BYTES = 1 << 20  # the (tokens, E) block of one transposing pass on CPU
+
+
+def _sub_transposed(x_TE: Tensor, hi_T: Tensor, out_ET: Tensor) -> Tensor:
+    """``out = x.T - hi`` in one pass that reads ``x`` transposed. On CPU, once ``x`` outgrows
+    the caches, a strided read of the whole of it runs at a fraction of the memory's speed
+    (14 ms for a (16384, 256) float32 against 2.6 ms tiled), so it goes in blocks of tokens of
+    about ``_TILE_BYTES`` each, read while they sit in the cache."""
+    num_tokens, num_experts = x_TE.shape
+    chunk = max(1, _TILE_BYTES // (num_experts * x_TE.element_size()))
+    if x_TE.device.type != "cpu" or num_tokens <= chunk:
+        return torch.sub(x_TE.T, hi_T, out=out_ET)
+    for t0 in range(0, num_tokens, chunk):
+        t1 = t0 + chunk
+        torch.sub(x_TE[t0:t1].T, hi_T[t0:t1], out=out_ET[:, t0:t1])
+    return out_ET
 
 
 def _add_jitter(s_ET: Tensor, jitter: float, pattern: Tensor | None = None) -> Tensor:
