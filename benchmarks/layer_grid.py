@@ -165,18 +165,19 @@ def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32, apart
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
-def profile_point(t, d, f, e, k, only, steps: int = 5) -> list[str]:
+def profile_point(t, d, f, e, k, only, steps: int = 5, dtype=torch.float32) -> list[str]:
     """Where a forward + backward's time goes, per contender: torch.profiler's self CPU time per
     step, split into the GEMMs and everything else, and the aten calls (after 3 warm-up steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    x = torch.randn(t, d)
+    x = torch.randn(t, d, dtype=dtype)
     lines = []
     for name, make in CONTENDERS.items():
         if only and name not in only:
             continue
         run, module = make(d, f, e, k)
+        module.to(dtype=dtype)
         for _ in range(3):
             _step(run, module, x)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error("--profile takes one point (--T --D --F --E --K) on the CPU")
         print(f"`{meta['command']}`: {meta['threads']} threads, {meta['date']}, load before {os.getloadavg()[0]:.2f}\n")
         print("| contender | self CPU ms a step | GEMMs | the rest | aten calls |\n|---|---:|---:|---:|---:|")
-        print("\n".join(profile_point(*one, args.only)))
+        print("\n".join(profile_point(*one, args.only, dtype=getattr(torch, args.dtype))))
         print(f"\nload after {os.getloadavg()[0]:.2f}")
         return
     print(

@@ -124,11 +124,12 @@ def test_combine_benchmark_times_both_paths():
     assert cells[:3] == ["16", "2", "8"] and float(cells[-1]) > 0
 
 
-def test_layer_grid_profile_splits_each_contenders_time():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_grid_profile_splits_each_contenders_time(dtype):
     from benchmarks import layer_grid
 
     # a shape whose GEMMs take well over the table's 0.1 ms rounding (at 64 x 16 x 32 they rounded to 0.0)
-    lines = layer_grid.profile_point(256, 64, 128, 4, 2, only=["ours", layer_grid.DENSE], steps=2)
+    lines = layer_grid.profile_point(256, 64, 128, 4, 2, only=["ours", layer_grid.DENSE], steps=2, dtype=dtype)
     assert [line.split("|")[1].strip() for line in lines] == ["ours", layer_grid.DENSE]
     for line in lines:
         total, gemm, rest, calls = (float(c) for c in line.strip("|").split("|")[1:])
