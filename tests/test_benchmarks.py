@@ -163,15 +163,28 @@ def test_global_base_benchmark_rows_on_random_and_training_scores():
     assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))
 
 
-def test_global_base_benchmark_checks_up_to_its_limit():
-    from benchmarks.global_base import markdown, run, summary
+def test_global_base_benchmark_checks_up_to_its_limit_and_certifies_beyond():
+    from benchmarks.global_base import markdown, run, summary, verify
+    from moe.parallel.price_base import price_balanced_assignment
+    from moe.parallel.reduction import ShardReduce
 
     rows = run(2, 32, 8, 1, "random", 2, check=True, check_max_gb=2 * 32 * 8 * 4 / 1e9)
     assert [r["objective"] for r in rows] == ["equal"] * 3
-    rows = run(2, 32, 8, 1, "random", 2, check=True, check_max_gb=2 * 32 * 8 * 4 / 1e9 / 2)
-    assert [r["objective"] for r in rows] == ["not checked"] * 3  # the gathered bytes are counted still
+    rows = run(2, 32, 8, 2, "random", 2, check=True, check_max_gb=2 * 32 * 8 * 4 / 1e9 / 2)
+    assert [r["objective"] for r in rows] == ["certified"] * 3  # by the prices' bound, no stacked solve
     assert all(r["gathered_bytes"] == 2 * 32 * 8 * 4 for r in rows)
-    assert markdown(summary(rows)).splitlines()[-1].endswith("| not checked |")
+    assert markdown(summary(rows)).splitlines()[-1].endswith("| certified |")
+    # a balanced assignment that is not the optimum fails both checks
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    out, p, _ = price_balanced_assignment(list(x.split(32)), 1, ShardReduce(2))
+    out = torch.cat(out)
+    assert verify(x, out, p, 1, 1.0) == "equal" and verify(x, out, p, 1, 0.0) == "certified"
+    i, j = 0, int((out[:, 0] != out[0, 0]).nonzero()[0])
+    worse = out.clone()
+    worse[i, 0], worse[j, 0] = out[j, 0], out[i, 0]
+    for max_gb in (1.0, 0.0):
+        with pytest.raises(AssertionError, match="the objective is"):
+            verify(x, worse, p, 1, max_gb)
 
 
 def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path):

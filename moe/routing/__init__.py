@@ -4,6 +4,7 @@ This subpackage imports nothing else of ``moe`` and can be used and benchmarked 
 """
 
 from .balanced import (
+    assignment_bound,
     assignment_score,
     balanced_assignment,
     balanced_assignment_approx,
@@ -29,6 +30,7 @@ __all__ = [
     "RoutingStats",
     "SinkhornRouter",
     "TopKRouter",
+    "assignment_bound",
     "assignment_score",
     "balanced_assignment",
     "balanced_assignment_approx",

@@ -14,7 +14,7 @@ from moe.parallel import price_base
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
-from moe.routing.balanced import assignment_score, balanced_assignment
+from moe.routing.balanced import assignment_bound, assignment_score, balanced_assignment
 from tests.parallel.launch import init, spawn
 from tests.routing.test_balanced import check_feasible, make_scores, optimum
 
@@ -68,6 +68,9 @@ def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, se
     assert abs(float(assignment_score(x, got) - assignment_score(x, ref))) <= 2 * tol
     if total and total * e <= 60 and (k == 1 or total * e <= 40):
         assert abs(float(assignment_score(x, got)) - optimum(x, k, extras)) <= 2 * tol
+    if prices is not None:  # the returned prices (in units of the largest range) certify the optimum
+        scale = float((x.amax(1) - x.amin(1)).amax()) if total else 0.0
+        assert float(assignment_bound(x, prices * scale, k, extras=extras) - assignment_score(x, got)) <= 2 * tol
     if prices is not None:  # a warm start from the returned prices reaches the same optimum
         warm, _, _ = solve_simulated(x, sizes, k, extras, prices)
         check_feasible(warm, total, e, k, extras)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment, linprog
 
 from moe.routing import (
+    assignment_bound,
     assignment_score,
     balanced_assignment,
     balanced_assignment_approx,
@@ -163,6 +164,42 @@ def test_reference_is_optimal(extras, problem):
     idx = balanced_assignment_ref(scores, k, extras=extras)
     check_feasible(idx, t, e, k, extras)
     assert abs(float(assignment_score(scores, idx)) - optimum(scores, k, extras)) <= tolerance(scores, k)
+
+
+@pytest.mark.parametrize("extras", ["best", "lowest"])
+@given(
+    problem=problems(),
+    seed=st.integers(0, 2**31 - 1),
+    spread=st.sampled_from([0.0, 0.1, 10.0]),
+    block=st.integers(1, 30),
+)
+def test_assignment_bound_is_never_below_the_optimum(extras, problem, seed, spread, block):
+    """Weak duality: under any prices the bound is at least the best balanced total (scipy's),
+    and reading the scores in blocks of any size gives the same bound."""
+    scores, k = problem
+    t, e = scores.shape
+    size = float(scores.double().abs().max()) or 1.0
+    prices = torch.randn(e, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * spread * size
+    upper = float(assignment_bound(scores, prices, k, extras=extras, block=block))
+    slack = 1e-7 * (1.0 + float(scores.double().abs().sum()) + t * k * float(prices.abs().max()))
+    assert upper >= optimum(scores, k, extras) - slack
+    assert upper == pytest.approx(float(assignment_bound(scores, prices, k, extras=extras)), rel=1e-12, abs=slack)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((torch.zeros(4, 3), torch.zeros(2)), {}, "prices_E must be a tensor of shape \\(E=3,\\)"),
+        ((torch.zeros(4), torch.zeros(4)), {}, "scores_TE must be a floating-point \\(T, E\\) tensor"),
+        ((torch.zeros(4, 3, dtype=torch.long), torch.zeros(3)), {}, "floating-point"),
+        ((torch.zeros(4, 3), torch.zeros(3), 4), {}, "k must be in \\[1, num_experts=3\\]"),
+        ((torch.zeros(4, 3), torch.zeros(3)), {"block": 0}, "block must be an int >= 1"),
+        ((torch.zeros(4, 3), torch.zeros(3)), {"extras": "most"}, "extras must be one of"),
+    ],
+)
+def test_assignment_bound_refuses_bad_input(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        assignment_bound(*args, **kwargs)
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(1, 24), st.integers(1, 8), st.sampled_from(KINDS), st.floats(0.1, 100.0))

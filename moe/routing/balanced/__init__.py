@@ -28,6 +28,7 @@ from .capacities import (
     _check_extras,
     _loads,
     _round_robin,
+    assignment_bound,
     assignment_score,
     expert_capacities,
     expert_capacities_list,
@@ -55,6 +56,7 @@ __all__ = [
     "balanced_assignment_ref",
     "expert_capacities",
     "expert_capacities_list",
+    "assignment_bound",
     "assignment_score",
     "release_work_buffers",
 ]

@@ -56,8 +56,43 @@ def expert_capacities_list(num_tokens: int, num_experts: int, k: int = 1) -> lis
 def assignment_score(scores_TE: Tensor, expert_idx_TK: Tensor) -> Tensor:
     """Total score of an assignment (dropped slots, ``-1``, count zero): scalar in float64."""
     valid = expert_idx_TK >= 0
-    picked = scores_TE.double().gather(1, expert_idx_TK.clamp(min=0))
+    picked = scores_TE.gather(1, expert_idx_TK.clamp(min=0)).double()  # no float64 copy of every score
     return (picked * valid).sum()
+
+
+def assignment_bound(
+    scores_TE: Tensor, prices_E: Tensor, k: int = 1, *, extras: str = "best", block: int = 1 << 16
+) -> Tensor:
+    """An upper bound on the total score (`assignment_score`) of every exactly balanced
+    assignment of ``scores_TE``: K distinct experts per token, the loads of
+    `expert_capacities` under ``extras`` ("best": any r experts take the extra slots).
+
+    From any prices (E,): every token's K best ``s - p`` summed, plus the loads times the prices
+    (under "best", the r extra slots at the r highest prices). That is weak duality of the
+    transportation problem: no balanced assignment scores more, whatever the prices. At the
+    prices of an optimal assignment the bound equals its score up to the solver's tolerance,
+    so ``bound - score`` small proves an assignment optimal without a second solve (and one
+    that is not optimal cannot pass it with any prices). Reads the scores ``block`` tokens at a
+    time; float64 scalar.
+    """
+    _check_extras(extras)
+    if not isinstance(scores_TE, Tensor) or scores_TE.dim() != 2 or not scores_TE.is_floating_point():
+        got = tuple(scores_TE.shape) if isinstance(scores_TE, Tensor) else type(scores_TE).__name__
+        raise ValueError(f"scores_TE must be a floating-point (T, E) tensor, got {got}")
+    num_tokens, num_experts = scores_TE.shape
+    if not isinstance(prices_E, Tensor) or tuple(prices_E.shape) != (num_experts,):
+        got = tuple(prices_E.shape) if isinstance(prices_E, Tensor) else type(prices_E).__name__
+        raise ValueError(f"prices_E must be a tensor of shape (E={num_experts},), got {got}")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block must be an int >= 1, got {block!r}")
+    base, spare = _split(num_tokens, num_experts, k)
+    p = prices_E.to(device=scores_TE.device, dtype=torch.float64)
+    total = p.new_zeros(())
+    for x in scores_TE.split(block):
+        total += (x.double() - p).topk(k, dim=1).values.sum()
+    if extras == "lowest":
+        return total + (expert_capacities(num_tokens, num_experts, k, device=p.device) * p).sum()
+    return total + base * p.sum() + p.topk(spare).values.sum()
 
 
 def _round_robin(num_tokens: int, num_experts: int, k: int, device) -> Tensor:
