@@ -13,7 +13,9 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    finite, the token counts, the scale. A bad input on one rank raises on every rank;
 2. the prices: damped Jacobi updates, one sum of E x 18 int32 counts each (`price_prices`),
    until the loads miss the capacities by at most E slots in all, or at most 40 updates from
-   zero prices and 20 from a previous call's (`PRICE_ITERS`);
+   zero prices and 20 from a previous call's (`PRICE_ITERS`); from a previous call's, also
+   once two updates have taken less than a fifth off the miss (stalled: a trained router's
+   scores, where each further update buys little and costs a round);
 3. the margin: every token picks its K best under the prices; those whose K-th choice is
    ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
    last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
@@ -26,8 +28,8 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    in the band widen it first, to the bin edge with enough below it (one more sum): so thin a
    margin leaves the cycles too few moves to take up the loads' last misses, the certificate's
    prices move far from the picks' and many fixed tokens fail. Where the price updates reach
-   their cap, the prices are further off than their last move says, and the margin holds at
-   least an eighth of the tokens (`CAPPED_SHARE`);
+   their cap or stall, the prices are further off than their last move says, and the margin
+   holds at least an eighth of the tokens (`CAPPED_SHARE`);
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
@@ -63,7 +65,7 @@ _DTYPES = {torch.float32: 1, torch.float64: 2}
 BAND = 1.0  # the first margin band, in units of the last price move
 MIN_BAND = 1e-6
 MIN_ROWS = 2  # per expert: a thinner margin leaves the cycles too few moves, and many fixed tokens fail
-CAPPED_SHARE = 1 / 8  # of the tokens, at least, at the margin when the price updates reach their cap
+CAPPED_SHARE = 1 / 8  # of the tokens, at least, at the margin when the price updates reach their cap or stall
 PRICE_ITERS = (40, 20)  # the cap on the price updates, cold and warm started
 UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
 SENT = 8  # columns a margin row carries beyond its K slots: its best under the prices
@@ -173,8 +175,9 @@ def price_balanced_assignment(
         red: the collectives (`GroupReduce` over a process group, `ShardReduce` in one process).
         prices: (E,) a previous call's prices to start from (the returned ones), or None.
         max_price_iters: cap on the price updates (each one collective); None: `PRICE_ITERS`, 40 from
-            zero prices and 20 from given ones. Where the cap is reached, the margin holds at least
-            `CAPPED_SHARE` of the tokens.
+            zero prices and 20 from given ones. Where the cap is reached, or the updates from
+            given prices stall (`price_prices.STALL`), the margin holds at least `CAPPED_SHARE`
+            of the tokens.
         max_cycles: cap on the exchange cycles; None allows N * K + E.
 
     Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 or None when there
@@ -196,14 +199,14 @@ def price_balanced_assignment(
     with torch.inference_mode():
         s_parts, starts = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
         caps = _Capacities(total, num_experts, k, extras, device)
-        p, stats.price_updates, width = jacobi_prices(
+        p, stats.price_updates, width, converged = jacobi_prices(
             s_parts, caps, k, red, prices, max_iters=max_price_iters, tol=num_experts
         )
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles
-        capped = stats.price_updates >= max_price_iters  # the prices are further off than their last move
-        min_rows = min(max(MIN_ROWS * num_experts, int(CAPPED_SHARE * total) if capped else 0), total)
+        # capped or stalled: the prices are further off than their last move
+        min_rows = min(max(MIN_ROWS * num_experts, 0 if converged else int(CAPPED_SHARE * total)), total)
         out, p_final, ok = _solve_margin(
             s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats
         )

@@ -25,6 +25,7 @@ BINS = 16  # per expert and update: E * (BINS + 2) counts travel (64 took as man
 OMEGA = 0.7  # damping, as in the single-process solver
 COLD_WIDTH = 1.0  # the window's half-width from p = 0: thresholds lie in [-1, 1]
 WARM_WIDTH = 0.02  # from the previous call's prices; grows when a move reaches its edge
+STALL = 0.8  # stalled: two updates left more than this share of the miss
 
 
 def thresholds(s_ET: Tensor, p_E1: Tensor, k: int) -> Tensor:
@@ -68,19 +69,22 @@ def _crossing(counts_EB: Tensor, cap_E: Tensor, top_E: Tensor, h_E: Tensor) -> T
 
 def jacobi_prices(
     s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor | None, *, max_iters: int, tol: int
-) -> tuple[Tensor, int, float]:
+) -> tuple[Tensor, int, float, bool]:
     """Damped Jacobi prices over every rank's tokens, from ``p`` (None: zeros, a cold start).
 
-    Stops after ``max_iters`` updates or once the loads under the prices miss the capacities
-    by at most ``tol`` slots in all. Returns the prices (E,) float64 (the same on every rank:
-    they follow from summed integer counts), the updates run and the last window's half-width
-    (what the prices are known to within, roughly)."""
+    Stops once the loads under the prices miss the capacities by at most ``tol`` slots in all
+    (converged), after ``max_iters`` updates, or once two updates have taken less than
+    ``1 - STALL`` off the miss (stalled: on a trained router's scores the miss then falls a few
+    percent an update, and each update is a round). Returns the prices (E,) float64 (the same
+    on every rank: they follow from summed integer counts), the updates run, the last move
+    (what the prices are known to within, roughly) and whether they converged."""
     num_experts = s_parts[0].shape[0]
     device = s_parts[0].device
     dtype = s_parts[0].dtype
     cold = p_E is None
     p = torch.zeros(num_experts, dtype=torch.float64, device=device) if cold else p_E.to(device, torch.float64)
     width, step = (COLD_WIDTH if cold else WARM_WIDTH), 0.0
+    misses = []  # the loads' miss after each update
     for it in range(max_iters):
         w = torch.full((num_experts,), width, dtype=torch.float64, device=device)
         top, h = p + w, 2 * w / BINS
@@ -89,11 +93,14 @@ def jacobi_prices(
         counts = red.sum([_histogram(thresholds(s, p1, k), top1, h1) for s in s_parts]).long()
         cap_E = capacities(caps, p)
         loads = counts[:, : BINS // 2 + 1].sum(1)  # thresholds above p: the tokens that pick e now
-        if int((loads - cap_E).abs().sum()) <= tol:
-            return p, it, step
+        misses.append(int((loads - cap_E).abs().sum()))
+        if misses[-1] <= tol:
+            return p, it, step, True
+        if not cold and it >= 2 and misses[-1] > STALL * misses[-3]:
+            return p, it, step, False
         q = _crossing(counts, cap_E, top, h)
         move = OMEGA * (q - p)
         p = p + move
         step = float(move.abs().max())
         width = min(COLD_WIDTH, max(4 * step, 1e-6))
-    return p, max_iters, step
+    return p, max_iters, step, False

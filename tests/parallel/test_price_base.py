@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from moe.parallel import price_base
+from moe.parallel import price_base, price_prices
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
@@ -125,6 +125,30 @@ def test_capped_price_updates_widen_the_margin(iters):
     warm, _, warm_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), prices=far)
     assert warm_stats.price_updates <= price_base.PRICE_ITERS[1]
     assert torch.equal(same_order(torch.cat(warm)), ref)
+
+
+def test_stalled_warm_updates_stop_early_and_widen_the_margin():
+    """A quarter of the tokens identical (a tied group at a boundary: no prices split it, so
+    the loads miss by about its size whatever the updates do). Warm started, the updates stop
+    once two of them leave most of the miss, long before the cap, and the margin then holds
+    at least `CAPPED_SHARE` of the tokens; the result is still the single-process optimum.
+    Without the rule every update up to the cap runs."""
+    sizes = [200 + 11 * i for i in range(8)]
+    x = make_scores(7, sum(sizes), 16, "gauss", torch.float32)
+    x[::4] = x[0]
+    tol = bound(x, 1)
+    ref = float(assignment_score(x, balanced_assignment(x, 1)))
+    cold, prices, cold_stats = solve_simulated(x, sizes, 1, "best")
+    assert cold_stats.price_updates == price_base.PRICE_ITERS[0]  # cold starts run to their cap
+    warm, _, stats = solve_simulated(x, sizes, 1, "best", prices)
+    assert stats.price_updates == 2 and stats.rounds < cold_stats.rounds // 2
+    assert stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
+    for got in (cold, warm):
+        check_feasible(got, sum(sizes), 16, 1)
+        assert abs(float(assignment_score(x, got)) - ref) <= 2 * tol
+    with mock.patch.object(price_prices, "STALL", float("inf")):
+        _, _, slow = solve_simulated(x, sizes, 1, "best", prices)
+    assert slow.price_updates == price_base.PRICE_ITERS[1]
 
 
 @given(
