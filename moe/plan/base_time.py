@@ -14,8 +14,9 @@ int64 each). Rounds: 6 + `PRICE_UPDATES`, 10-17 measured on random scores at W =
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
 all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, and the rank's
 own passes over its (T, E) scores (histograms, the pick) read them `PASSES` times from HBM.
-This model is of separated (random) scores. A trained router's replayed scores take 25-31
-rounds warm and gather 15-21% of the tokens at W = 64 (docs/scale.md costs that case).
+This model is of separated (random) scores. A trained router's replayed scores take 8-25
+rounds warm (a median of 14: the updates stop once they stall) and gather about a fifth of
+the tokens at W = 64 (docs/scale.md costs that case).
 """
 
 from __future__ import annotations
