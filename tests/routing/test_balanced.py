@@ -190,9 +190,9 @@ def test_assignment_bound_is_never_below_the_optimum(extras, problem, seed, spre
     ("args", "kwargs", "match"),
     [
         ((torch.zeros(4, 3), torch.zeros(2)), {}, "prices_E must be a tensor of shape \\(E=3,\\)"),
-        ((torch.zeros(4), torch.zeros(4)), {}, "scores_TE must be a floating-point \\(T, E\\) tensor"),
-        ((torch.zeros(4, 3, dtype=torch.long), torch.zeros(3)), {}, "floating-point"),
-        ((torch.zeros(4, 3), torch.zeros(3), 4), {}, "k must be in \\[1, num_experts=3\\]"),
+        ((torch.zeros(4), torch.zeros(4)), {}, "scores_TE must have shape \\(T, E\\)"),
+        ((torch.zeros(4, 3, dtype=torch.long), torch.zeros(3)), {}, "scores_TE must be a floating-point"),
+        ((torch.zeros(4, 3), torch.zeros(3), 4), {}, "k must be an int in \\[1, E=3\\]"),
         ((torch.zeros(4, 3), torch.zeros(3)), {"block": 0}, "block must be an int >= 1"),
         ((torch.zeros(4, 3), torch.zeros(3)), {"extras": "most"}, "extras must be one of"),
     ],

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..common import bincount
+from .inputs import _check
 
 
 def _split(num_tokens: int, num_experts: int, k: int) -> tuple[int, int]:
@@ -76,9 +77,7 @@ def assignment_bound(
     time; float64 scalar.
     """
     _check_extras(extras)
-    if not isinstance(scores_TE, Tensor) or scores_TE.dim() != 2 or not scores_TE.is_floating_point():
-        got = tuple(scores_TE.shape) if isinstance(scores_TE, Tensor) else type(scores_TE).__name__
-        raise ValueError(f"scores_TE must be a floating-point (T, E) tensor, got {got}")
+    _check(scores_TE, k, "scores_TE")
     num_tokens, num_experts = scores_TE.shape
     if not isinstance(prices_E, Tensor) or tuple(prices_E.shape) != (num_experts,):
         got = tuple(prices_E.shape) if isinstance(prices_E, Tensor) else type(prices_E).__name__
