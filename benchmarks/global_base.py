@@ -146,20 +146,20 @@ def _record_assign(model) -> list[torch.Tensor]:
     return seen
 
 
-def bytes_by_part(log: list[tuple[str, int]], world: int, experts: int) -> dict[str, int]:
-    """Where one solve's bytes went, from its collectives (kind, values received): the header
-    (float64), the price updates (int32 histograms), the margin's counts and rows, the
-    certificate's counts and rows (int64)."""
+def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> dict[str, int]:
+    """Where one solve's bytes went, from its collectives (kind, values received, bytes): the
+    header, the price updates (the histograms' sums), the margin's counts and rows, the
+    certificate's counts and rows."""
     out = dict.fromkeys(("header", "prices", "margin_counts", "margin_rows", "check_counts", "check_rows"), 0)
-    for kind, values in log:
+    for kind, values, size in log:
         if kind == "max":
-            out["header"] += 8 * values
+            out["header"] += size
         elif kind == "sum" and values == experts * (BINS + 2):
-            out["prices"] += 4 * values
+            out["prices"] += size
         elif kind == "sum":
-            out["margin_counts" if values == experts + world + GAP_BINS + 1 else "check_counts"] += 8 * values
+            out["margin_counts" if values == experts + world + GAP_BINS + 1 else "check_counts"] += size
         else:
-            out["check_rows" if out["margin_rows"] or out["check_counts"] else "margin_rows"] += 8 * values
+            out["check_rows" if out["margin_rows"] or out["check_counts"] else "margin_rows"] += size
     return out
 
 

@@ -23,8 +23,10 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    bins growing 2x) and one gather of the margin rows give every rank the same residual
    problem, which each solves the same way: the greedy fill into the room the fixed tokens
    leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 8 best
-   experts under the prices, not all E (1 + K + 3/4 (K + 8) words, against 1 + K + E/2 for
-   every column); the others count as ``UNSENT``, below every score. Fewer than 2E rows
+   experts under the prices, its slots first, not all E, and travels as bytes: its global
+   index (int32), the experts (uint8 up to 256) and their fp32 scores, 4 + 5 (K + 8) bytes
+   against 4 + K + 4E for every column (`_Layout`); the others count as ``UNSENT``, below
+   every score. Fewer than 2E rows
    in the band widen it first, to the bin edge with enough below it (one more sum): so thin a
    margin leaves the cycles too few moves to take up the loads' last misses, the certificate's
    prices move far from the picks' and many fixed tokens fail. Where the price updates reach
@@ -233,48 +235,74 @@ def _pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return idx[:k].T.contiguous(), vals[k - 1] - vals[k]
 
 
-def _words(x: Tensor, per_word: int) -> Tensor:
-    """(n, c) values as (n, ceil(c / per_word)) int64 words, zero padded."""
-    padded = torch.nn.functional.pad(x, (0, -x.shape[1] % per_word))
-    words = padded.shape[1] // per_word
-    return padded.reshape(-1).view(torch.int64).view(x.shape[0], words)  # flat: a 1-row tensor may have any stride
+def _as_bytes(x: Tensor) -> Tensor:
+    """(n, c) values as (n, c * itemsize) uint8, their bits unchanged."""
+    n, c = x.shape
+    return x.contiguous().view(-1).view(torch.uint8).view(n, c * x.element_size())  # flat: any 1-row stride
 
 
-def _from_words(w: Tensor, dtype, c: int) -> Tensor:
-    """`_words` back: (n, c) values of ``dtype``."""
-    per_word = 8 // torch.empty(0, dtype=dtype).element_size()
-    return w.contiguous().reshape(-1).view(dtype).view(w.shape[0], w.shape[1] * per_word)[:, :c]
+def _of_bytes(b: Tensor, dtype) -> Tensor:
+    """`_as_bytes` back: (n, c) uint8 as (n, c / itemsize) values of ``dtype``."""
+    return b.clone(memory_format=torch.contiguous_format).view(dtype)  # a fresh copy: aligned, dense strides
 
 
-def _rows(s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, start: int, cols: int) -> tuple[Tensor, Tensor]:
-    """The rows that travel for tokens ``local`` and the columns they carry (E, n) bool. A row
-    holds the global index, the slots, the ``cols`` best experts under the prices (its slots
-    among them) as int16 four to a word, and their scores' bits (float32 two to a word):
-    1 + K + ceil(cols / 4) + ceil(cols / 2) int64 words; with every column, no experts."""
+@dataclass(frozen=True)
+class _Layout:
+    """How a row travels, as bytes: the global index (int32 while the group's tokens fit, else
+    int64), the experts it names (uint8 up to 256 experts, int16 beyond) and their scores (the
+    solve's dtype). A row of ``cols`` < E columns names them, its K slots first; a row of every
+    column names its K slots alone and holds the scores in expert order."""
+
+    index: torch.dtype
+    expert: torch.dtype
+    score: torch.dtype
+    num_experts: int
+    k: int
+
+    @staticmethod
+    def of(total: int, num_experts: int, k: int, dtype) -> _Layout:
+        index = torch.int32 if total < 2**31 else torch.int64
+        return _Layout(index, torch.uint8 if num_experts <= 256 else torch.int16, dtype, num_experts, k)
+
+    def named(self, cols: int) -> int:
+        """Experts a row of ``cols`` columns names."""
+        return self.k if cols == self.num_experts else cols
+
+    def width(self, cols: int) -> int:
+        """Bytes a row of ``cols`` columns takes."""
+        return self.index.itemsize + self.named(cols) * self.expert.itemsize + cols * self.score.itemsize
+
+
+def _rows(
+    s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, start: int, cols: int, lay: _Layout
+) -> tuple[Tensor, Tensor]:
+    """The rows that travel for tokens ``local``, (n, width) uint8 (`_Layout`), and the columns
+    they carry (E, n) bool: the slots and the ``cols`` - K best other experts under the prices."""
     num_experts = s_ET.shape[0]
     s = s_ET.index_select(1, local)
     held = out_TK.index_select(0, local)
-    a = (s - p_E1).scatter_(0, held.T, float("inf"))  # the slots first
     if cols < num_experts:
-        idx = torch.topk(a, cols, dim=0).indices.T
+        a = (s - p_E1).scatter_(0, held.T, float("-inf"))  # the slots aside: they come first, in order
+        idx = torch.cat([held, torch.topk(a, cols - held.shape[1], dim=0).indices.T], 1)
+        vals, named = s.T.gather(1, idx), idx
     else:
         idx = torch.arange(num_experts, device=s.device).expand(s.shape[1], -1)
+        vals, named = s.T, held
     sent = torch.zeros_like(s, dtype=torch.bool).scatter_(0, idx.T, True)
-    vals = s.T.gather(1, idx)
-    bits = _words(vals, 2 if vals.dtype == torch.float32 else 1)
-    experts = _words(idx.to(torch.int16), 4)[:, : 0 if cols == num_experts else None]
-    return torch.cat([(local + start)[:, None], held, experts, bits], dim=1), sent
+    parts = [(local + start)[:, None].to(lay.index), named.to(lay.expert), vals.to(lay.score)]
+    return torch.cat([_as_bytes(x) for x in parts], dim=1), sent
 
 
-def _unpack(rows: Tensor, k: int, dtype, num_experts: int, cols: int) -> tuple[Tensor, Tensor, Tensor]:
+def _unpack(rows: Tensor, lay: _Layout, cols: int) -> tuple[Tensor, Tensor, Tensor]:
     """`_rows` back: global indices (n,), slots (n, K), scores (E, n), ``UNSENT`` where a row
     carries no column."""
-    n_idx = 0 if cols == num_experts else -(-cols // 4)
-    s = _from_words(rows[:, 1 + k + n_idx :], dtype, cols)
-    if n_idx:
-        idx = _from_words(rows[:, 1 + k : 1 + k + n_idx], torch.int16, cols).long()
-        s = torch.full((rows.shape[0], num_experts), UNSENT, dtype=dtype).scatter_(1, idx, s)
-    return rows[:, 0], rows[:, 1 : 1 + k], s.T.contiguous()
+    at, n_named = lay.index.itemsize, lay.named(cols) * lay.expert.itemsize
+    ids = _of_bytes(rows[:, :at], lay.index)[:, 0].long()
+    named = _of_bytes(rows[:, at : at + n_named], lay.expert).long()
+    s = _of_bytes(rows[:, at + n_named :], lay.score)
+    if cols < lay.num_experts:
+        s = torch.full((rows.shape[0], lay.num_experts), UNSENT, dtype=lay.score).scatter_(1, named, s)
+    return ids, named[:, : lay.k], s.T.contiguous()
 
 
 def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats):
@@ -286,6 +314,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     p1 = p.to(dtype)[:, None]
     picks = [_pick(s, p1, k) for s in s_parts]
     cols = min(num_experts, k + SENT)
+    lay = _Layout.of(sum(sizes), num_experts, k, dtype)
     band = max(BAND * width, MIN_BAND)
     edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
     while True:  # the band grows until the fixed tokens leave room the margin rows can fill
@@ -308,11 +337,11 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             continue
         if bool((room >= 0).all()):
             made = [
-                _rows(s, p1, out, nr.nonzero().flatten(), st, cols)
+                _rows(s, p1, out, nr.nonzero().flatten(), st, cols, lay)
                 for s, (out, _), nr, st in zip(s_parts, picks, near, starts, strict=True)
             ]
             rows = red.gather([r for r, _ in made], m_sizes).cpu()
-            ids, _, s_res = _unpack(rows, k, dtype, num_experts, cols)
+            ids, _, s_res = _unpack(rows, lay, cols)
             slots = torch.full((ids.numel(), k), -1, dtype=torch.int64)
             try:
                 _fill(s_res, slots, room, p.to(dtype).cpu())
@@ -370,14 +399,14 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             break
         width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
         made = [
-            _rows(s, q[:, None], out, torch.cat([b, sh]), st, width)  # their best under the new prices
+            _rows(s, q[:, None], out, torch.cat([b, sh]), st, width, lay)  # their best under the new prices
             for s, out, b, sh, st in zip(s_parts, outs, bad, short, starts, strict=True)
         ]
         more = red.gather([r for r, _ in made], b_sizes).cpu()
         for fx, sn, b, sh, (_, got) in zip(fixed, sent, bad, short, made, strict=True):
             fx[b] = False
             sn.set(torch.cat([b, sh]), got)
-        new_ids, new_slots, new_s = _unpack(more, k, dtype, num_experts, width)
+        new_ids, new_slots, new_s = _unpack(more, lay, width)
         at = {int(i): j for j, i in enumerate(ids.tolist())}
         again = torch.tensor([at.get(int(i), -1) for i in new_ids.tolist()], dtype=torch.int64)
         old = again >= 0

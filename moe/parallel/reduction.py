@@ -41,13 +41,13 @@ class Reduction:
         self.rounds = 0
         self.values = 0  # elements received per rank, over all calls
         self.bytes = 0  # and their bytes
-        self.log: list[tuple[str, int]] = []  # (kind, values) per call
+        self.log: list[tuple[str, int, int]] = []  # (kind, values, bytes) per call
 
     def _count(self, kind: str, values: int, itemsize: int) -> None:
         self.rounds += 1
         self.values += values
         self.bytes += values * itemsize
-        self.log.append((kind, values))
+        self.log.append((kind, values, values * itemsize))
 
     def sum(self, parts: Sequence[Tensor]) -> Tensor:
         """The sum over every rank of one tensor per local shard (integers sum exactly)."""

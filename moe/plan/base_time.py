@@ -7,9 +7,10 @@ Legend: W ep ranks, T tokens per rank, E experts, K experts per token.
 What a solve sends (docs/benchmarks.md, "Global BASE by prices", measured on simulated ranks):
 a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E int32
 each), the margin's counts (E + W + 33 int64) and rows (every rank receives all of them: a
-share `margin_share` of the group's W T tokens, at least 2E, each with its K + 8 best experts:
-1 + K + ceil((K + 8) / 4) + ceil((K + 8) / 2) int64 words) and two certificate checks (2W
-int64 each). Rounds: 6 + `PRICE_UPDATES`, 10-17 measured on random scores at W = 64.
+share `margin_share` of the group's W T tokens, at least 2E, each with its global index as
+int32, its K + `SENT` best experts as uint8 (int16 beyond 256 experts) and their fp32 scores:
+`_Layout.width` bytes) and two certificate checks (2W int64 each). Rounds: 6 +
+`PRICE_UPDATES`, 10-17 measured on random scores at W = 64.
 
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
 all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, and the rank's
@@ -21,9 +22,10 @@ the tokens at W = 64 (docs/scale.md costs that case).
 
 from __future__ import annotations
 
-from math import ceil
+import torch
 
 from ..models.llama import LlamaConfig
+from ..parallel.price_base import SENT, _Layout
 from .layout import Layout
 
 __all__ = ["PRICE_UPDATES", "ROUND_LATENCY_S", "global_base_bytes", "global_base_s", "uses_global_base"]
@@ -51,8 +53,8 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     header = reduce * (8 + 3 * W) * 8
     prices = PRICE_UPDATES * reduce * 18 * E * 4
     counts = reduce * (E + W + 33) * 8
-    cols = min(E, K + 8)
-    rows = max(margin_share(E) * W * tokens, 2 * E) * (1 + K + ceil(cols / 4) + ceil(cols / 2)) * 8
+    row = _Layout.of(W * tokens, E, K, torch.float32).width(min(E, K + SENT))
+    rows = max(margin_share(E) * W * tokens, 2 * E) * row
     certificate = 2 * reduce * 2 * W * 8
     return header + prices + counts + rows + certificate
 

@@ -151,6 +151,36 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     assert slow.price_updates == price_base.PRICE_ITERS[1]
 
 
+@pytest.mark.parametrize("e, dtype", [(8, torch.float32), (300, torch.float64)])  # uint8 and int16 experts
+@pytest.mark.parametrize("cols", ["some", "all"])
+def test_rows_travel_as_bytes_and_come_back(e, dtype, cols):
+    """`_rows` packs rows into bytes and `_unpack` reads every rank's back: the global index,
+    the slots in their order, the carried columns' scores bit for bit and ``UNSENT`` elsewhere;
+    a row of ``cols`` < E carries its slots and its ``cols`` - K best other experts."""
+    g = torch.Generator().manual_seed(e)
+    k = 2
+    width = e if cols == "all" else k + 3
+    lay = price_base._Layout.of(100, e, k, dtype)
+    p = torch.randn(e, 1, generator=g, dtype=dtype)
+    shards = [torch.rand(e, t, generator=g, dtype=dtype) - 1 for t in (6, 0, 9)]
+    picks = [torch.topk(s - p, k, dim=0).indices.T.flip(1).contiguous() for s in shards]  # the K best, worst first
+    locals_ = [torch.tensor([0, 2, 5]), torch.zeros(0, dtype=torch.int64), torch.tensor([8, 1, 3, 4])]
+    starts = (0, 6, 6)
+    made = [price_base._rows(*a, width, lay) for a in zip(shards, [p] * 3, picks, locals_, starts, strict=True)]
+    rows = torch.cat([r for r, _ in made])
+    assert rows.dtype == torch.uint8 and rows.shape[1] == lay.width(width)
+    assert lay.index == torch.int32 and price_base._Layout.of(2**31, e, k, dtype).index == torch.int64
+    ids, slots, got = price_base._unpack(rows, lay, width)
+    assert ids.tolist() == [0, 2, 5, 14, 7, 9, 10]
+    assert torch.equal(slots, torch.cat([o[lc] for o, lc in zip(picks, locals_, strict=True)]))
+    want = torch.cat([s[:, lc] for s, lc in zip(shards, locals_, strict=True)], 1)
+    sent = torch.cat([m for _, m in made], 1)
+    assert torch.equal(got[sent], want[sent]) and bool((got[~sent] == price_base.UNSENT).all())
+    held = torch.zeros_like(sent).scatter_(0, slots.T, True)
+    best = torch.topk(torch.where(held, float("-inf"), want - p), width - k, dim=0).indices
+    assert torch.equal(sent, held.scatter(0, best, True))
+
+
 @given(
     sizes=sizes_st,
     e=st.integers(4, 14),
