@@ -249,7 +249,7 @@ def _of_bytes(b: Tensor, dtype) -> Tensor:
 @dataclass(frozen=True)
 class _Layout:
     """How a row travels, as bytes: the global index (int32 while the group's tokens fit, else
-    int64), the experts it names (uint8 up to 256 experts, int16 beyond) and their scores (the
+    int64), the experts it names (uint8 up to 256 experts, int16 up to 2^15) and their scores (the
     solve's dtype). A row of ``cols`` < E columns names them, its K slots first; a row of every
     column names its K slots alone and holds the scores in expert order."""
 
@@ -262,7 +262,8 @@ class _Layout:
     @staticmethod
     def of(total: int, num_experts: int, k: int, dtype) -> _Layout:
         index = torch.int32 if total < 2**31 else torch.int64
-        return _Layout(index, torch.uint8 if num_experts <= 256 else torch.int16, dtype, num_experts, k)
+        expert = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+        return _Layout(index, expert, dtype, num_experts, k)
 
     def named(self, cols: int) -> int:
         """Experts a row of ``cols`` columns names."""

@@ -151,27 +151,31 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     assert slow.price_updates == price_base.PRICE_ITERS[1]
 
 
-@pytest.mark.parametrize("e, dtype", [(8, torch.float32), (300, torch.float64)])  # uint8 and int16 experts
+@pytest.mark.parametrize("e", [8, 256, 300])  # uint8 experts up to id 255, int16 beyond
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("cols", ["some", "all"])
-def test_rows_travel_as_bytes_and_come_back(e, dtype, cols):
+@pytest.mark.parametrize("total", [100, 2**31])  # int32 and int64 global indices
+def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total):
     """`_rows` packs rows into bytes and `_unpack` reads every rank's back: the global index,
     the slots in their order, the carried columns' scores bit for bit and ``UNSENT`` elsewhere;
     a row of ``cols`` < E carries its slots and its ``cols`` - K best other experts."""
     g = torch.Generator().manual_seed(e)
     k = 2
     width = e if cols == "all" else k + 3
-    lay = price_base._Layout.of(100, e, k, dtype)
+    lay = price_base._Layout.of(total, e, k, dtype)
+    assert lay.index == (torch.int32 if total < 2**31 else torch.int64)
+    assert lay.expert == (torch.uint8 if e <= 256 else torch.int16)
     p = torch.randn(e, 1, generator=g, dtype=dtype)
-    shards = [torch.rand(e, t, generator=g, dtype=dtype) - 1 for t in (6, 0, 9)]
+    shards = [torch.rand(e, t, generator=g, dtype=dtype) - 1 for t in (6, 0, 9, 1)]
+    shards[0][e - 1, 0] = 10.0  # the last expert, id e - 1, among the slots
     picks = [torch.topk(s - p, k, dim=0).indices.T.flip(1).contiguous() for s in shards]  # the K best, worst first
-    locals_ = [torch.tensor([0, 2, 5]), torch.zeros(0, dtype=torch.int64), torch.tensor([8, 1, 3, 4])]
-    starts = (0, 6, 6)
-    made = [price_base._rows(*a, width, lay) for a in zip(shards, [p] * 3, picks, locals_, starts, strict=True)]
+    locals_ = [torch.tensor(i, dtype=torch.int64) for i in ([0, 2, 5], [], [8, 1, 3, 4], [0])]  # one empty, one 1 row
+    starts = (0, 6, 6, total - 1 - 15)
+    made = [price_base._rows(*a, width, lay) for a in zip(shards, [p] * 4, picks, locals_, starts, strict=True)]
     rows = torch.cat([r for r, _ in made])
     assert rows.dtype == torch.uint8 and rows.shape[1] == lay.width(width)
-    assert lay.index == torch.int32 and price_base._Layout.of(2**31, e, k, dtype).index == torch.int64
     ids, slots, got = price_base._unpack(rows, lay, width)
-    assert ids.tolist() == [0, 2, 5, 14, 7, 9, 10]
+    assert ids.tolist() == [0, 2, 5, 14, 7, 9, 10, total - 16] and e - 1 in slots[0].tolist()
     assert torch.equal(slots, torch.cat([o[lc] for o, lc in zip(picks, locals_, strict=True)]))
     want = torch.cat([s[:, lc] for s, lc in zip(shards, locals_, strict=True)], 1)
     sent = torch.cat([m for _, m in made], 1)
