@@ -26,10 +26,10 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    experts under the prices, its slots first, not all E, and travels as bytes: its global
    index (int32), the experts (uint8 up to 256) and their fp32 scores, 4 + 5 (K + 4) bytes
    against 4 + K + 4E for every column (`_Layout`); the others count as ``UNSENT``, below
-   every score. Fewer than 2E rows
-   in the band widen it first, to the bin edge with enough below it (one more sum): so thin a
-   margin leaves the cycles too few moves to take up the loads' last misses, the certificate's
-   prices move far from the picks' and many fixed tokens fail. Where the price updates reach
+   every score. Fewer than 2E rows in the band widen it first, to the bin edge with enough
+   below it (one more sum): so thin a margin leaves the cycles too few moves to take up the
+   loads' last misses, the certificate's prices move far from the picks' and many fixed
+   tokens fail. Where the price updates reach
    their cap or stall, the prices are further off than their last move says, and the margin
    holds at least an eighth of the tokens (`CAPPED_SHARE`);
 4. the certificate: the cycles' final distances are prices under which no margin row can gain

@@ -44,10 +44,11 @@ class Reduction:
         self.log: list[tuple[str, int, int]] = []  # (kind, values, bytes) per call
 
     def _count(self, kind: str, values: int, itemsize: int) -> None:
+        size = values * itemsize
         self.rounds += 1
         self.values += values
-        self.bytes += values * itemsize
-        self.log.append((kind, values, values * itemsize))
+        self.bytes += size
+        self.log.append((kind, values, size))
 
     def sum(self, parts: Sequence[Tensor]) -> Tensor:
         """The sum over every rank of one tensor per local shard (integers sum exactly)."""
