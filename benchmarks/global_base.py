@@ -216,7 +216,7 @@ def verify(x: torch.Tensor, out: torch.Tensor, prices: torch.Tensor | None, k: i
     """The objective of a solve of the stacked scores ``x`` (N, E), within the solver's bound
     ``(2 N K + E) eps R`` (eps = 1e-6, R the largest per-token range): ``"equal"`` to the
     single-process solve's where ``x`` takes at most ``max_gb``, else ``"certified"``, at most
-    that far below the upper bound the solve's own prices (normalised units) give. Raises
+    that far below the upper bound the solve's own prices give. Raises
     AssertionError when the objective is off."""
     num_tokens, num_experts = x.shape
     scale = float(x.amax(1).sub(x.amin(1)).amax())
@@ -226,7 +226,7 @@ def verify(x: torch.Tensor, out: torch.Tensor, prices: torch.Tensor | None, k: i
         gap = got - float(assignment_score(x, balanced_assignment(x, k)))
         assert abs(gap) <= tol, f"the objective is {gap} off the single-process solve's (tolerance {tol})"
         return "equal"
-    upper = float(assignment_bound(x, prices * scale, k)) if prices is not None else got  # None: k = E
+    upper = float(assignment_bound(x, prices, k)) if prices is not None else got  # None: k = E
     assert upper - got <= tol, f"the objective is up to {upper - got} below the optimum (tolerance {tol})"
     return "certified"
 

@@ -132,21 +132,24 @@ def _header(parts_TE: list[Tensor], k: int, red: Reduction) -> tuple[list[int], 
     return [int(n) for n in sizes.tolist()], float(out[6]), float(out[7]), dtype
 
 
-def _normalise(parts_TE, red, sizes, big, half, dtype, jitter) -> list[Tensor]:
+def _normalise(parts_TE, red, sizes, big, half, dtype, jitter) -> tuple[list[Tensor], list[int], float]:
     """Each shard as `moe.routing.balanced.inputs._normalise` would do it within the stacked
-    problem: (E, T) with the group's scale and the jitter at the global token index."""
+    problem: (E, T) with the group's scale and the jitter at the global token index. Returns
+    (the shards, their first global index, the scores' units in one of theirs: 0 where every
+    token's scores are all equal, which the jitter alone orders)."""
     starts = [sum(sizes[:r]) for r in red.ranks]
     xs, los, his = [], [], []
     for x in parts_TE:
         xs.append(x)
         los.append(x.amin(dim=1).to(dtype) if x.shape[0] else x.new_zeros(0, dtype=dtype))
         his.append(x.amax(dim=1).to(dtype) if x.shape[0] else x.new_zeros(0, dtype=dtype))
-    scale = 2 * half
+    scale, unit = 2 * half, 1.0
     if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         xs = [x.to(dtype) / big for x in xs]
         los, his = [lo / big for lo in los], [hi / big for hi in his]
         local = [(hi - lo).amax() if hi.numel() else hi.new_zeros(()) for lo, hi in zip(los, his, strict=True)]
         scale = float(red.max([v.reshape(1) for v in local]))
+        unit = big
     out = []
     for x, hi, start in zip(xs, his, starts, strict=True):
         s = _sub_transposed(x, hi, x.new_empty(x.shape[::-1], dtype=dtype))
@@ -155,7 +158,7 @@ def _normalise(parts_TE, red, sizes, big, half, dtype, jitter) -> list[Tensor]:
         if jitter > 0:
             s.add_(_jitter_pattern(s.shape[0], s.shape[1], dtype, s.device, first=start), alpha=jitter)
         out.append(s)
-    return out, starts
+    return out, starts, unit * scale  # 0: every token's scores equal, only the jitter to solve
 
 
 def price_balanced_assignment(
@@ -175,16 +178,19 @@ def price_balanced_assignment(
         parts_TE: the local shards' scores, one (T, E) tensor per rank in ``red.ranks``.
         k, extras, eps: as in `balanced_assignment` (the same capacities, tolerance, jitter).
         red: the collectives (`GroupReduce` over a process group, `ShardReduce` in one process).
-        prices: (E,) a previous call's prices to start from (the returned ones), or None.
+        prices: (E,) a previous call's prices to start from (the returned ones), or None. They
+            are in the scores' units, so they hold when the group's scale (the largest
+            per-token range, which one token sets) changes between calls.
         max_price_iters: cap on the price updates (each one collective); None: `PRICE_ITERS`, 40 from
             zero prices and 20 from given ones. Where the cap is reached, or the updates from
             given prices stall (`price_prices.STALL`), the margin holds at least `CAPPED_SHARE`
             of the tokens.
         max_cycles: cap on the exchange cycles; None allows N * K + E.
 
-    Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 or None when there
-    was nothing to solve, the costs). The result is the same on every rank, exactly balanced over
-    the group, and within the single-process solver's bound of the optimum.
+    Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 in the scores'
+    units (mean zero), or None when there was nothing to solve, the costs). The result is the
+    same on every rank, exactly balanced over the group, and within the single-process
+    solver's bound of the optimum.
     """
     _check_extras(extras)
     stats = PriceStats()
@@ -199,10 +205,11 @@ def price_balanced_assignment(
     if max_price_iters is None:
         max_price_iters = PRICE_ITERS[prices is not None]
     with torch.inference_mode():
-        s_parts, starts = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
+        s_parts, starts, unit = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
         caps = _Capacities(total, num_experts, k, extras, device)
+        start = None if prices is None or unit == 0 else prices.to(torch.float64) / unit
         p, stats.price_updates, width, converged = jacobi_prices(
-            s_parts, caps, k, red, prices, max_iters=max_price_iters, tol=num_experts
+            s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
@@ -219,7 +226,7 @@ def price_balanced_assignment(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    return [o.clone() for o in out], p_final, _finish(stats, red, rounds0, values0, bytes0)
+    return [o.clone() for o in out], p_final * unit, _finish(stats, red, rounds0, values0, bytes0)
 
 
 def _finish(stats, red, rounds0, values0, bytes0) -> PriceStats:

@@ -68,9 +68,8 @@ def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, se
     assert abs(float(assignment_score(x, got) - assignment_score(x, ref))) <= 2 * tol
     if total and total * e <= 60 and (k == 1 or total * e <= 40):
         assert abs(float(assignment_score(x, got)) - optimum(x, k, extras)) <= 2 * tol
-    if prices is not None:  # the returned prices (in units of the largest range) certify the optimum
-        scale = float((x.amax(1) - x.amin(1)).amax()) if total else 0.0
-        assert float(assignment_bound(x, prices * scale, k, extras=extras) - assignment_score(x, got)) <= 2 * tol
+    if prices is not None:  # the returned prices (in the scores' units) certify the optimum
+        assert float(assignment_bound(x, prices, k, extras=extras) - assignment_score(x, got)) <= 2 * tol
     if prices is not None:  # a warm start from the returned prices reaches the same optimum
         warm, _, _ = solve_simulated(x, sizes, k, extras, prices)
         check_feasible(warm, total, e, k, extras)
@@ -109,6 +108,22 @@ def test_top_k_margin_is_a_thin_share():
     assert warm_stats.rounds < stats.rounds
 
 
+def test_warm_prices_hold_when_the_scale_changes():
+    """The returned prices are in the scores' units, not in those of the group's largest range
+    (which one token sets, and which changes from call to call): the same tokens' scores
+    doubled need twice the prices, and from those a warm start runs no update."""
+    sizes = [300, 0, 211, 160]
+    x = make_scores(11, sum(sizes), 16, "gauss", torch.float32)
+    ref = same_order(balanced_assignment(x, 2))
+    _, prices, _ = solve_simulated(x, sizes, 2, "best")
+    cold, doubled, _ = solve_simulated(2 * x, sizes, 2, "best")
+    torch.testing.assert_close(doubled, 2 * prices)
+    assert float(prices.abs().max()) > 0.05  # not all tied at zero
+    warm, _, stats = solve_simulated(2 * x, sizes, 2, "best", 2 * prices)
+    assert torch.equal(same_order(warm), ref) and torch.equal(same_order(cold), ref)
+    assert stats.price_updates == 0
+
+
 @pytest.mark.parametrize("iters", [1, 3])
 def test_capped_price_updates_widen_the_margin(iters):
     """Price updates stopped at their cap (far from converged): the margin holds at least
@@ -121,7 +136,8 @@ def test_capped_price_updates_widen_the_margin(iters):
     assert stats.price_updates == iters
     assert stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
     assert torch.equal(same_order(torch.cat(out)), ref)
-    far = prices + torch.linspace(-0.3, 0.3, 16, dtype=prices.dtype)  # a poor warm start
+    spread = float((x.amax(1) - x.amin(1)).amax())  # the prices are in the scores' units
+    far = prices + spread * torch.linspace(-0.3, 0.3, 16, dtype=prices.dtype)  # a poor warm start
     warm, _, warm_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), prices=far)
     assert warm_stats.price_updates <= price_base.PRICE_ITERS[1]
     assert torch.equal(same_order(torch.cat(warm)), ref)
