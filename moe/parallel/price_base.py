@@ -23,20 +23,21 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    bins growing 2x) and one gather of the margin rows give every rank the same residual
    problem, which each solves the same way: the greedy fill into the room the fixed tokens
    leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 4 best
-   experts under the prices, its slots first, not all E, and travels as bytes: its global
-   index (int32), the experts (uint8 up to 256) and their fp32 scores, 4 + 5 (K + 4) bytes
-   against 4 + K + 4E for every column (`_Layout`); the others count as ``UNSENT``, below
-   every score. Fewer than 2E rows in the band widen it first, to the bin edge with enough
-   below it (one more sum): so thin a margin leaves the cycles too few moves to take up the
-   loads' last misses, the certificate's prices move far from the picks' and many fixed
-   tokens fail. Where the price updates reach
-   their cap or stall, the prices are further off than their last move says, and the margin
-   holds at least an eighth of the tokens (`CAPPED_SHARE`);
+   experts under the prices, its slots first, not all E, and travels as bytes: the experts
+   (uint8 up to 256) and their fp32 scores, 5 (K + 4) bytes against K + 4E for every column
+   (`_Layout`), and no index: the rows come in rank order, and each rank knows which of its
+   tokens it sent; the other columns count as ``UNSENT``, below every score. Fewer than 2E
+   rows in the band widen it first, to the bin edge with enough below it (one more sum): so
+   thin a margin leaves the cycles too few moves to take up the loads' last misses, the
+   certificate's prices move far from the picks' and many fixed tokens fail. Where the price
+   updates reach their cap or stall, the prices are further off than their last move says,
+   and the margin holds at least an eighth of the tokens (`CAPPED_SHARE`);
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
    joins the margin rows with its slots, a margin row that fails travels again with its K + 4
-   best columns under the new prices, added to those it carried (one gather for both), and
+   best columns under the new prices, added to those it carried (one gather for both, each
+   row keyed by its place among the gathered rows, -1 for a new one: 4 bytes more), and
    the cycles go on. When none fails, no cycle over the whole group
    gains more than the tolerance: the optimality condition of the transportation problem, as
    in the single-process solver (docs/routing.md).
@@ -255,10 +256,12 @@ def _of_bytes(b: Tensor, dtype) -> Tensor:
 
 @dataclass(frozen=True)
 class _Layout:
-    """How a row travels, as bytes: the global index (int32 while the group's tokens fit, else
-    int64), the experts it names (uint8 up to 256 experts, int16 up to 2^15) and their scores (the
-    solve's dtype). A row of ``cols`` < E columns names them, its K slots first; a row of every
-    column names its K slots alone and holds the scores in expert order."""
+    """How a row travels, as bytes: a key where it has one (int32 while the group's tokens fit,
+    else int64), the experts it names (uint8 up to 256 experts, int16 up to 2^15) and their
+    scores (the solve's dtype). A row of ``cols`` < E columns names them, its K slots first; a
+    row of every column names its K slots alone and holds the scores in expert order. The
+    margin's rows have no key (each rank knows which of its tokens it sent, in order); the
+    certificate's name the residual row they add columns to, or -1 for a row new to it."""
 
     index: torch.dtype
     expert: torch.dtype
@@ -276,16 +279,18 @@ class _Layout:
         """Experts a row of ``cols`` columns names."""
         return self.k if cols == self.num_experts else cols
 
-    def width(self, cols: int) -> int:
-        """Bytes a row of ``cols`` columns takes."""
-        return self.index.itemsize + self.named(cols) * self.expert.itemsize + cols * self.score.itemsize
+    def width(self, cols: int, keyed: bool = True) -> int:
+        """Bytes a row of ``cols`` columns takes, with or without its key."""
+        key = self.index.itemsize if keyed else 0
+        return key + self.named(cols) * self.expert.itemsize + cols * self.score.itemsize
 
 
 def _rows(
-    s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, start: int, cols: int, lay: _Layout
+    s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, keys: Tensor | None, cols: int, lay: _Layout
 ) -> tuple[Tensor, Tensor]:
-    """The rows that travel for tokens ``local``, (n, width) uint8 (`_Layout`), and the columns
-    they carry (E, n) bool: the slots and the ``cols`` - K best other experts under the prices."""
+    """The rows that travel for tokens ``local``, (n, width) uint8 (`_Layout`, led by ``keys``
+    (n,) where given), and the columns they carry (E, n) bool: the slots and the ``cols`` - K
+    best other experts under the prices."""
     num_experts = s_ET.shape[0]
     s = s_ET.index_select(1, local)
     held = out_TK.index_select(0, local)
@@ -297,20 +302,21 @@ def _rows(
         idx = torch.arange(num_experts, device=s.device).expand(s.shape[1], -1)
         vals, named = s.T, held
     sent = torch.zeros_like(s, dtype=torch.bool).scatter_(0, idx.T, True)
-    parts = [(local + start)[:, None].to(lay.index), named.to(lay.expert), vals.to(lay.score)]
+    parts = [] if keys is None else [keys[:, None].to(lay.index)]
+    parts += [named.to(lay.expert), vals.to(lay.score)]
     return torch.cat([_as_bytes(x) for x in parts], dim=1), sent
 
 
-def _unpack(rows: Tensor, lay: _Layout, cols: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`_rows` back: global indices (n,), slots (n, K), scores (E, n), ``UNSENT`` where a row
-    carries no column."""
-    at, n_named = lay.index.itemsize, lay.named(cols) * lay.expert.itemsize
-    ids = _of_bytes(rows[:, :at], lay.index)[:, 0].long()
+def _unpack(rows: Tensor, lay: _Layout, cols: int, keyed: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
+    """`_rows` back: the keys (n,) (None without), slots (n, K), scores (E, n), ``UNSENT`` where
+    a row carries no column."""
+    at, n_named = lay.index.itemsize if keyed else 0, lay.named(cols) * lay.expert.itemsize
+    keys = _of_bytes(rows[:, :at], lay.index)[:, 0].long() if keyed else None
     named = _of_bytes(rows[:, at : at + n_named], lay.expert).long()
     s = _of_bytes(rows[:, at + n_named :], lay.score)
     if cols < lay.num_experts:
         s = torch.full((rows.shape[0], lay.num_experts), UNSENT, dtype=lay.score).scatter_(1, named, s)
-    return ids, named[:, : lay.k], s.T.contiguous()
+    return keys, named[:, : lay.k], s.T.contiguous()
 
 
 def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats):
@@ -344,13 +350,14 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             band = float(edges[int((below < min_rows).sum())])
             continue
         if bool((room >= 0).all()):
+            sent_local = [nr.nonzero().flatten() for nr in near]
             made = [
-                _rows(s, p1, out, nr.nonzero().flatten(), st, cols, lay)
-                for s, (out, _), nr, st in zip(s_parts, picks, near, starts, strict=True)
+                _rows(s, p1, out, lc, None, cols, lay)
+                for s, (out, _), lc in zip(s_parts, picks, sent_local, strict=True)
             ]
             rows = red.gather([r for r, _ in made], m_sizes).cpu()
-            ids, _, s_res = _unpack(rows, lay, cols)
-            slots = torch.full((ids.numel(), k), -1, dtype=torch.int64)
+            _, _, s_res = _unpack(rows, lay, cols, keyed=False)
+            slots = torch.full((rows.shape[0], k), -1, dtype=torch.int64)
             try:
                 _fill(s_res, slots, room, p.to(dtype).cpu())
                 break
@@ -359,6 +366,14 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         if last:
             raise AssertionError("price_balanced_assignment: the whole problem could not be filled")  # impossible
         band *= 4
+    # which residual row each local token is (-1: fixed), and the global index of each
+    # residual row that a local shard sent (-1: another rank's, which this one never writes)
+    ids = torch.full((rows.shape[0],), -1, dtype=torch.int64)
+    at_row = [torch.full(nr.shape, -1, dtype=torch.int64, device=nr.device) for nr in near]
+    for rank, lc, ar, st in zip(red.ranks, sent_local, at_row, starts, strict=True):
+        first = sum(m_sizes[:rank])
+        ar[lc] = torch.arange(first, first + lc.numel(), device=lc.device)
+        ids[first : first + lc.numel()] = lc.cpu() + st
     stats.margin_rows = ids.numel()
     extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
     fixed = [(~nr) for nr in near]
@@ -406,22 +421,27 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             ok = True
             break
         width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
-        made = [
-            _rows(s, q[:, None], out, torch.cat([b, sh]), st, width, lay)  # their best under the new prices
-            for s, out, b, sh, st in zip(s_parts, outs, bad, short, starts, strict=True)
+        made = [  # a new row keyed -1, a short one by its residual row; their best under the new prices
+            _rows(s, q[:, None], out, torch.cat([b, sh]), torch.cat([torch.full_like(b, -1), ar[sh]]), width, lay)
+            for s, out, b, sh, ar in zip(s_parts, outs, bad, short, at_row, strict=True)
         ]
         more = red.gather([r for r, _ in made], b_sizes).cpu()
-        for fx, sn, b, sh, (_, got) in zip(fixed, sent, bad, short, made, strict=True):
+        again, new_slots, new_s = _unpack(more, lay, width)
+        old = again >= 0
+        added = ids.numel() + torch.cumsum(~old, 0) - 1  # where each new row goes
+        ids = torch.cat([ids, torch.full((int((~old).sum()),), -1, dtype=torch.int64)])
+        for rank, fx, sn, b, sh, ar, st, (_, got) in zip(
+            red.ranks, fixed, sent, bad, short, at_row, starts, made, strict=True
+        ):
             fx[b] = False
             sn.set(torch.cat([b, sh]), got)
-        new_ids, new_slots, new_s = _unpack(more, lay, width)
-        at = {int(i): j for j, i in enumerate(ids.tolist())}
-        again = torch.tensor([at.get(int(i), -1) for i in new_ids.tolist()], dtype=torch.int64)
-        old = again >= 0
+            first = sum(b_sizes[:rank])  # this rank's new rows lead its block
+            rows_b = added[first : first + b.numel()]
+            ar[b] = rows_b.to(ar.device)
+            ids[rows_b] = b.cpu() + st
         # their slots are the ones held already; the columns they carried before stay
         s_res[:, again[old]] = torch.where(new_s[:, old] == UNSENT, s_res[:, again[old]], new_s[:, old])
         new = ~old
-        ids = torch.cat([ids, new_ids[new]])
         slots = torch.cat([slots, new_slots[new]])
         s_res = torch.cat([s_res, new_s[:, new]], 1)
         if extra is not None:

@@ -7,8 +7,8 @@ Legend: W ep ranks, T tokens per rank, E experts, K experts per token.
 What a solve sends (docs/benchmarks.md, "Global BASE by prices", measured on simulated ranks):
 a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E int32
 each), the margin's counts (E + W + 33 int64) and rows (every rank receives all of them: a
-share `margin_share` of the group's W T tokens, at least 2E, each with its global index as
-int32, its K + `SENT` best experts as uint8 (int16 beyond 256 experts) and their fp32 scores:
+share `margin_share` of the group's W T tokens, at least 2E, each with its K + `SENT` best
+experts as uint8 (int16 beyond 256 experts) and their fp32 scores, without a key:
 `_Layout.width` bytes) and two certificate checks (2W int64 each). Rounds: 6 +
 `PRICE_UPDATES`, 10-17 measured on random scores at W = 64.
 
@@ -53,7 +53,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     header = reduce * (8 + 3 * W) * 8
     prices = PRICE_UPDATES * reduce * 18 * E * 4
     counts = reduce * (E + W + 33) * 8
-    row = _Layout.of(W * tokens, E, K, torch.float32).width(min(E, K + SENT))
+    row = _Layout.of(W * tokens, E, K, torch.float32).width(min(E, K + SENT), keyed=False)
     rows = max(margin_share(E) * W * tokens, 2 * E) * row
     certificate = 2 * reduce * 2 * W * 8
     return header + prices + counts + rows + certificate

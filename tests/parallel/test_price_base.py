@@ -170,11 +170,12 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
 @pytest.mark.parametrize("e", [8, 256, 300])  # uint8 experts up to id 255, int16 beyond
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("cols", ["some", "all"])
-@pytest.mark.parametrize("total", [100, 2**31])  # int32 and int64 global indices
-def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total):
-    """`_rows` packs rows into bytes and `_unpack` reads every rank's back: the global index,
-    the slots in their order, the carried columns' scores bit for bit and ``UNSENT`` elsewhere;
-    a row of ``cols`` < E carries its slots and its ``cols`` - K best other experts."""
+@pytest.mark.parametrize("total", [100, 2**31])  # int32 and int64 keys
+@pytest.mark.parametrize("keyed", [True, False])  # the certificate's rows, the margin's
+def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total, keyed):
+    """`_rows` packs rows into bytes and `_unpack` reads every rank's back: the key where a row
+    has one, the slots in their order, the carried columns' scores bit for bit and ``UNSENT``
+    elsewhere; a row of ``cols`` < E carries its slots and its ``cols`` - K best other experts."""
     g = torch.Generator().manual_seed(e)
     k = 2
     width = e if cols == "all" else k + 3
@@ -186,12 +187,18 @@ def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total):
     shards[0][e - 1, 0] = 10.0  # the last expert, id e - 1, among the slots
     picks = [torch.topk(s - p, k, dim=0).indices.T.flip(1).contiguous() for s in shards]  # the K best, worst first
     locals_ = [torch.tensor(i, dtype=torch.int64) for i in ([0, 2, 5], [], [8, 1, 3, 4], [0])]  # one empty, one 1 row
-    starts = (0, 6, 6, total - 1 - 15)
-    made = [price_base._rows(*a, width, lay) for a in zip(shards, [p] * 4, picks, locals_, starts, strict=True)]
+    keys = [torch.tensor(i, dtype=torch.int64) for i in ([-1, 2, 5], [], [14, -1, 9, 10], [total - 16])]
+    keys = keys if keyed else [None] * 4
+    made = [price_base._rows(*a, width, lay) for a in zip(shards, [p] * 4, picks, locals_, keys, strict=True)]
     rows = torch.cat([r for r, _ in made])
-    assert rows.dtype == torch.uint8 and rows.shape[1] == lay.width(width)
-    ids, slots, got = price_base._unpack(rows, lay, width)
-    assert ids.tolist() == [0, 2, 5, 14, 7, 9, 10, total - 16] and e - 1 in slots[0].tolist()
+    assert rows.dtype == torch.uint8 and rows.shape[1] == lay.width(width, keyed)
+    assert lay.width(width, True) - lay.width(width, False) == lay.index.itemsize
+    got_keys, slots, got = price_base._unpack(rows, lay, width, keyed)
+    if keyed:
+        assert got_keys.tolist() == [-1, 2, 5, 14, -1, 9, 10, total - 16]
+    else:
+        assert got_keys is None
+    assert e - 1 in slots[0].tolist()
     assert torch.equal(slots, torch.cat([o[lc] for o, lc in zip(picks, locals_, strict=True)]))
     want = torch.cat([s[:, lc] for s, lc in zip(shards, locals_, strict=True)], 1)
     sent = torch.cat([m for _, m in made], 1)
@@ -262,6 +269,16 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
         full[start : start + sizes[me]] = got
         dist.all_reduce(full, group=group)  # each row written by its owner once
         assert torch.equal(same_order(full), same_order(balanced_assignment(x, k, extras=extras))), case
+    # a far start, no update: the certificate's rounds gather rows from every rank, new ones
+    # (fixed tokens that fail) and ones that travelled before (short of a column), by key
+    sizes = [40 + 7 * j if j != 1 else 0 for j in range(world)]
+    x = make_scores(seed + 30, sum(sizes), 16, "gauss")
+    far = float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-0.3, 0.3, 16, dtype=torch.float64)
+    (got,), _, stats = price_balanced_assignment(split(x, sizes)[me:me + 1], 1, GroupReduce(group), prices=far,
+                                                 max_price_iters=0)  # fmt: skip
+    assert stats.checks >= 2 and sum(kind == "gather" for kind, _, _ in stats.log) >= 2, stats
+    start = sum(sizes[:me])
+    assert torch.equal(got, balanced_assignment(x, 1)[start : start + sizes[me]]), me
     bad = make_scores(seed, 10, 8, "gauss")
     if me == world - 1:
         bad[0, 0] = float("inf")
