@@ -22,9 +22,9 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    (the fixed tokens' loads, the margin rows per rank, every token counted by its margin in
    bins growing 2x) and one gather of the margin rows give every rank the same residual
    problem, which each solves the same way: the greedy fill into the room the fixed tokens
-   leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 4 best
+   leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 3 best
    experts under the prices, its slots first, not all E, and travels as bytes: the experts
-   (uint8 up to 256) and their fp32 scores, 5 (K + 4) bytes against K + 4E for every column
+   (uint8 up to 256) and their fp32 scores, 5 (K + 3) bytes against K + 4E for every column
    (`_Layout`), and no index: the rows come in rank order, and each rank knows which of its
    tokens it sent; the other columns count as ``UNSENT``, below every score. Fewer than 2E
    rows in the band widen it first, to the bin edge with enough below it (one more sum): so
@@ -35,7 +35,7 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
-   joins the margin rows with its slots, a margin row that fails travels again with its K + 4
+   joins the margin rows with its slots, a margin row that fails travels again with its K + 3
    best columns under the new prices, added to those it carried (one gather for both, each
    row keyed by its place among the gathered rows, -1 for a new one: 4 bytes more), and
    the cycles go on. When none fails, no cycle over the whole group
@@ -45,7 +45,7 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 Every step is a deterministic function of summed integers, maxima and gathered rows, so every
 rank computes the same result. Every loop is bounded: the bands grow geometrically to the
 whole problem (then the residual is the gathered problem), each certificate round adds a row
-or a column a row did not carry (one of its K + 4 best under the new prices beats what it
+or a column a row did not carry (one of its K + 3 best under the new prices beats what it
 holds, and the carried ones passed), and after `LAST_CHECK` rounds every row travels whole.
 """
 
@@ -71,7 +71,7 @@ MIN_ROWS = 2  # per expert: a thinner margin leaves the cycles too few moves, an
 CAPPED_SHARE = 1 / 8  # of the tokens, at least, at the margin when the price updates reach their cap or stall
 PRICE_ITERS = (40, 20)  # the cap on the price updates, cold and warm started
 UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
-SENT = 4  # columns a margin row carries beyond its K slots: its best under the prices
+SENT = 3  # columns a margin row carries beyond its K slots: its best under the prices
 LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
