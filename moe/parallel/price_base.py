@@ -189,7 +189,8 @@ def price_balanced_assignment(
         max_cycles: cap on the exchange cycles; None allows N * K + E.
 
     Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 in the scores'
-    units (mean zero), or None when there was nothing to solve, the costs). The result is the
+    units (mean zero; zeros where every token's scores are all equal), or None when there was
+    nothing to solve or the scores' range exceeds float64's, the costs). The result is the
     same on every rank, exactly balanced over the group, and within the single-process
     solver's bound of the optimum.
     """
@@ -203,12 +204,15 @@ def price_balanced_assignment(
     if total == 0 or k == num_experts:
         res = [torch.arange(k, device=device).expand(x.shape[0], k).clone() for x in parts_TE]
         return res, None, _finish(stats, red, rounds0, values0, bytes0)
-    if max_price_iters is None:
-        max_price_iters = PRICE_ITERS[prices is not None]
     with torch.inference_mode():
         s_parts, starts, unit = _normalise(parts_TE, red, sizes, big, half, dtype, eps / 2)
         caps = _Capacities(total, num_experts, k, extras, device)
-        start = None if prices is None or unit == 0 else prices.to(torch.float64) / unit
+        # the same on every rank: the scale is agreed (0: only the jitter to solve; beyond
+        # float64's range, fp64 scores spanning it: prices in their units would not be finite)
+        units_ok = 0 < unit < float("inf")
+        start = prices.to(torch.float64) / unit if prices is not None and units_ok else None
+        if max_price_iters is None:
+            max_price_iters = PRICE_ITERS[start is not None]
         p, stats.price_updates, width, converged = jacobi_prices(
             s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
@@ -227,7 +231,8 @@ def price_balanced_assignment(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    return [o.clone() for o in out], p_final * unit, _finish(stats, red, rounds0, values0, bytes0)
+    p_out = p_final * unit if units_ok else torch.zeros_like(p_final) if unit == 0 else None
+    return [o.clone() for o in out], p_out, _finish(stats, red, rounds0, values0, bytes0)
 
 
 def _finish(stats, red, rounds0, values0, bytes0) -> PriceStats:

@@ -124,6 +124,27 @@ def test_warm_prices_hold_when_the_scale_changes():
     assert stats.price_updates == 0
 
 
+def test_prices_where_the_scores_have_no_finite_units():
+    """Every token's scores equal: the prices are zeros, and a warm start from them is a cold
+    one (under the cold cap). fp64 scores whose range exceeds float64's: no prices come back
+    (in the scores' units they would not be finite), and the next call starts cold."""
+    sizes = [150, 0, 150]
+    flat = torch.zeros(300, 6, dtype=torch.float64)
+    _, prices, cold = solve_simulated(flat, sizes, 1, "best")
+    assert torch.equal(prices, torch.zeros(6, dtype=torch.float64))
+    _, again, warm = solve_simulated(flat, sizes, 1, "best", prices)
+    assert warm.price_updates == cold.price_updates and warm.rounds == cold.rounds
+    huge = make_scores(3, 300, 6, "gauss").mul(1e308).clamp(-1.7e308, 1.7e308)
+    huge[:, 0], huge[:, 1] = 1.7e308, -1.7e308  # every token's range beyond float64's
+    got, prices, _ = solve_simulated(huge, sizes, 1, "best")
+    assert prices is None
+    check_feasible(got, 300, 6, 1, "best")
+    assert (
+        abs(float(assignment_score(huge / 1e308, got) - assignment_score(huge / 1e308, balanced_assignment(huge, 1))))
+        < 1e-6
+    )
+
+
 @pytest.mark.parametrize("iters", [1, 3])
 def test_capped_price_updates_widen_the_margin(iters):
     """Price updates stopped at their cap (far from converged): the margin holds at least
@@ -269,16 +290,20 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
         full[start : start + sizes[me]] = got
         dist.all_reduce(full, group=group)  # each row written by its owner once
         assert torch.equal(same_order(full), same_order(balanced_assignment(x, k, extras=extras))), case
-    # a far start, no update: the certificate's rounds gather rows from every rank, new ones
-    # (fixed tokens that fail) and ones that travelled before (short of a column), by key
-    sizes = [40 + 7 * j if j != 1 else 0 for j in range(world)]
-    x = make_scores(seed + 30, sum(sizes), 16, "gauss")
-    far = float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-0.3, 0.3, 16, dtype=torch.float64)
-    (got,), _, stats = price_balanced_assignment(split(x, sizes)[me:me + 1], 1, GroupReduce(group), prices=far,
-                                                 max_price_iters=0)  # fmt: skip
-    assert stats.checks >= 2 and sum(kind == "gather" for kind, _, _ in stats.log) >= 2, stats
+    # a far start, no update, rows of their slots alone: the certificate's rounds gather new
+    # rows (fixed tokens that fail) from several ranks and send rows again (short of a column,
+    # and every row whole at the last check), each by its key
+    sizes = [0 if j == 2 else 60 + 5 * j for j in range(world)]
+    x = make_scores(seed + 30, sum(sizes), 24, "gauss")
+    far = 0.05 * float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-1, 1, 24, dtype=torch.float64)
+    with mock.patch.object(price_base, "SENT", 0):
+        (got,), _, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group), prices=far,
+                                                     max_price_iters=0)  # fmt: skip
+    first = next(values for kind, values, _ in stats.log if kind == "gather")  # the margin's rows, in bytes
+    width = price_base._Layout.of(sum(sizes), 24, 2, x.dtype).width(2, keyed=False)
+    assert stats.checks >= 2 and first // width < stats.margin_rows, stats  # rows new to the certificate
     start = sum(sizes[:me])
-    assert torch.equal(got, balanced_assignment(x, 1)[start : start + sizes[me]]), me
+    assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me
     bad = make_scores(seed, 10, 8, "gauss")
     if me == world - 1:
         bad[0, 0] = float("inf")
