@@ -15,7 +15,11 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    until the loads miss the capacities by at most E slots in all, or at most 40 updates from
    zero prices and 20 from a previous call's (`PRICE_ITERS`); from a previous call's, also
    once two updates have taken less than a fifth off the miss (stalled: a trained router's
-   scores, where each further update buys little and costs a round);
+   scores, where each further update buys little and costs a round). Where they stall or
+   reach their cap, 3 pair rounds follow (`price_prices.pair_prices`) when their E x E x 4
+   int32 counts cost less than the eighth of the tokens the margin would otherwise hold: the
+   tokens counted by the pair of experts they stand between and their margin, from which
+   every rank moves the prices alike; one max of the prices then agrees on their bits;
 3. the margin: every token picks its K best under the prices; those whose K-th choice is
    ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
    last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
@@ -30,8 +34,12 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    rows in the band widen it first, to the bin edge with enough below it (one more sum): so
    thin a margin leaves the cycles too few moves to take up the loads' last misses, the
    certificate's prices move far from the picks' and many fixed tokens fail. Where the price
-   updates reach their cap or stall, the prices are further off than their last move says,
-   and the margin holds at least an eighth of the tokens (`CAPPED_SHARE`);
+   updates reach their cap or stall and no pair rounds follow, the prices are further off
+   than their last move says, and the margin holds at least an eighth of the tokens
+   (`CAPPED_SHARE`). Each expert has its own band, which a token takes at the widest of
+   its slots': where the fixed tokens overfill experts, their bands alone grow 4x (one more
+   sum each), so a cluster of near-equal tokens on the wrong side of one boundary widens
+   that boundary, not every token's;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
@@ -59,7 +67,7 @@ from torch import Tensor
 
 from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern, _sub_transposed
 from ..routing.exchange import _Graph, held_mask, violations
-from .price_prices import capacities, jacobi_prices
+from .price_prices import capacities, jacobi_prices, pair_bytes, pair_prices
 from .reduction import Reduction
 
 __all__ = ["PriceStats", "price_balanced_assignment"]
@@ -84,7 +92,7 @@ class PriceStats:
     values: int = 0
     bytes: int = 0
     margin_rows: int = 0  # rows gathered onto every rank (the margin and the certificate's)
-    price_updates: int = 0
+    price_updates: int = 0  # collectives that moved the prices: Jacobi updates, pair rounds and their max
     cycles: int = 0
     checks: int = 0  # certificate rounds
     log: list = field(default_factory=list)
@@ -216,6 +224,12 @@ def price_balanced_assignment(
         p, stats.price_updates, width, converged = jacobi_prices(
             s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
+        row = _Layout.of(total, num_experts, k, dtype).width(min(num_experts, k + SENT), keyed=False)
+        if not converged and max_price_iters > 0 and pair_bytes(num_experts) < CAPPED_SHARE * total * row:
+            # stalled or capped: the pair rounds cost less than the wide margin they spare
+            p, n, width = pair_prices(s_parts, caps, k, red, p)
+            stats.price_updates += n
+            converged = True
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles
@@ -334,11 +348,14 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     picks = [_pick(s, p1, k) for s in s_parts]
     cols = min(num_experts, k + SENT)
     lay = _Layout.of(sum(sizes), num_experts, k, dtype)
-    band = max(BAND * width, MIN_BAND)
+    band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held
     edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
-    while True:  # the band grows until the fixed tokens leave room the margin rows can fill
-        last = band > 4.0  # every token's margin is below 4 in [-1, 1] scores: the whole problem
-        near = [m < band if not last else torch.ones_like(m, dtype=torch.bool) for _, m in picks]
+    while True:  # the bands grow until the fixed tokens leave room the margin rows can fill
+        last = bool((band > 4.0).all())  # every token's margin is below 4 in [-1, 1] scores: the whole problem
+        near = [
+            m < band.to(m.device, m.dtype)[out].amax(1) if not last else torch.ones_like(m, dtype=torch.bool)
+            for out, m in picks
+        ]
         counts = []
         for rank, (out, m), nr in zip(red.ranks, picks, near, strict=True):
             c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
@@ -352,22 +369,23 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         m_sizes = summed[num_experts : num_experts + world].tolist()
         if sum(m_sizes) < min_rows and not last:  # to the first edge with enough rows below it: one more count
             below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
-            band = float(edges[int((below < min_rows).sum())])
+            band.clamp_(min=float(edges[int((below < min_rows).sum())]))
             continue
-        if bool((room >= 0).all()):
-            sent_local = [nr.nonzero().flatten() for nr in near]
-            made = [
-                _rows(s, p1, out, lc, None, cols, lay)
-                for s, (out, _), lc in zip(s_parts, picks, sent_local, strict=True)
-            ]
-            rows = red.gather([r for r, _ in made], m_sizes).cpu()
-            _, _, s_res = _unpack(rows, lay, cols, keyed=False)
-            slots = torch.full((rows.shape[0], k), -1, dtype=torch.int64)
-            try:
-                _fill(s_res, slots, room, p.to(dtype).cpu())
-                break
-            except RuntimeError:  # no completion with these fixed tokens: a wider band
-                pass
+        if not bool((room >= 0).all()):  # the fixed tokens overfill these experts: their bands grow
+            band[room < 0] *= 4
+            continue
+        sent_local = [nr.nonzero().flatten() for nr in near]
+        made = [
+            _rows(s, p1, out, lc, None, cols, lay) for s, (out, _), lc in zip(s_parts, picks, sent_local, strict=True)
+        ]
+        rows = red.gather([r for r, _ in made], m_sizes).cpu()
+        _, _, s_res = _unpack(rows, lay, cols, keyed=False)
+        slots = torch.full((rows.shape[0], k), -1, dtype=torch.int64)
+        try:
+            _fill(s_res, slots, room, p.to(dtype).cpu())
+            break
+        except RuntimeError:  # no completion with these fixed tokens: a wider band
+            pass
         if last:
             raise AssertionError("price_balanced_assignment: the whole problem could not be filled")  # impossible
         band *= 4

@@ -11,10 +11,14 @@ current price, one sum of E x (B + 2) int32 counts per update, and the price mov
 counts cross the capacity (values taken as evenly spread within a bin; outside the window,
 to its edge). The window narrows with the moves, so the resolution follows the convergence.
 The same counts give every expert's load at the current prices, which decides when to stop.
+
+Where the updates stall (`pair_prices`), a few rounds count the tokens by the pair of experts
+they stand between instead, which sees how one expert's move pulls on another's load.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -104,3 +108,109 @@ def jacobi_prices(
         step = float(move.abs().max())
         width = min(COLD_WIDTH, max(4 * step, 1e-6))
     return p, max_iters, step, False
+
+
+# Where the Jacobi updates stall (a trained router: many experts within a hair of each other
+# for most tokens, and clusters of near-equal tokens) every expert's own histogram misses how
+# the others' moves pull on it. A few rounds then count the tokens by the pair of experts
+# they stand between instead, and every rank moves the prices by the same small model.
+PAIR_BINS = 4  # per expert pair and round: E x E x PAIR_BINS + E int32 counts travel
+PAIR_ROUNDS = 3
+PAIR_WINDOW = 4e-3  # the first round's window, in the normalised scores ([-1, 0] per token)
+PAIR_SHRINK = 4.0  # the window narrows by this each round
+_MODEL_STEPS = 50  # Newton steps on the model, each rank alike (numpy, float64)
+
+
+def pair_bytes(num_experts: int) -> int:
+    """Bytes each rank receives over the `PAIR_ROUNDS` pair rounds."""
+    return PAIR_ROUNDS * (num_experts * num_experts * PAIR_BINS + num_experts) * 4
+
+
+def pair_counts(s_ET: Tensor, p_E1: Tensor, k: int, window: float) -> Tensor:
+    """(E * E * B + E,) int32: the tokens whose K-th expert under the prices is a, the next b,
+    and their margin in bin j of [0, window), at ``(a * E + b) * B + j``; then every expert's
+    load under the prices."""
+    num_experts = s_ET.shape[0]
+    vals, idx = torch.topk(s_ET - p_E1, k + 1, dim=0)
+    gap = vals[k - 1] - vals[k]
+    inside = gap < window
+    j = (gap[inside] * (PAIR_BINS / window)).long().clamp_(max=PAIR_BINS - 1)
+    key = (idx[k - 1][inside] * num_experts + idx[k][inside]) * PAIR_BINS + j
+    pairs = torch.bincount(key, minlength=num_experts * num_experts * PAIR_BINS)
+    loads = torch.bincount(idx[:k].flatten(), minlength=num_experts)
+    return torch.cat([pairs, loads]).to(torch.int32)
+
+
+def model_move(pairs_EEB: np.ndarray, excess_E: np.ndarray, window: float) -> np.ndarray:
+    """(E,) the price moves D that balance the model: a token at a whose next expert is b at
+    margin g moves to b once ``D[a] - D[b] > g`` (the counts spread evenly within a bin), and
+    the loads then meet the capacities (``excess`` = loads - capacities). The model is the
+    gradient of a convex function (a sum over pairs of the integrals of their counts, less
+    ``excess . D``), minimised by damped Newton steps; every move stays within half the
+    window (a penalty: the model knows no token beyond it). Deterministic: numpy on the host."""
+    num_experts, _, bins = pairs_EEB.shape
+    h = window / bins
+    zero = np.zeros((num_experts, num_experts, 1))
+    below = np.concatenate([zero, pairs_EEB.cumsum(2)], 2)  # tokens under each bin edge
+    area = np.concatenate([zero, (h * (below[:, :, 1:] + below[:, :, :-1]) / 2).cumsum(2)], 2)
+    r = excess_E.astype(np.float64)
+    mu = 1e3 * (np.abs(r).sum() + below[:, :, -1].sum() + 1) / window
+    rows = np.arange(num_experts)
+
+    def at(D):
+        x = D[:, None] - D[None, :]
+        xc = np.maximum(x, 0)
+        j = np.minimum(np.floor(xc / h), bins - 1).astype(np.int64)
+        t = xc - j * h
+        c0 = np.take_along_axis(below, j[..., None], 2)[..., 0]
+        c1 = np.take_along_axis(below, j[..., None] + 1, 2)[..., 0]
+        a0 = np.take_along_axis(area, j[..., None], 2)[..., 0]
+        slope = (c1 - c0) / h
+        over = xc > window
+        f = np.where(over, below[:, :, -1], c0 + slope * t)
+        g = np.where(over, area[:, :, -1] + below[:, :, -1] * (xc - window), a0 + c0 * t + slope * t * t / 2)
+        d = np.where(over | (x <= 0), 0.0, slope)
+        ex = np.maximum(np.abs(D) - window / 2, 0)
+        value = g.sum() - r @ D + mu * (ex * ex).sum()
+        grad = f.sum(1) - f.sum(0) - r + 2 * mu * ex * np.sign(D)
+        sym = d + d.T
+        hess = -sym
+        hess[rows, rows] += sym.sum(1) + 2 * mu * (ex > 0)
+        return value, grad, hess
+
+    D = np.zeros(num_experts)
+    for _ in range(_MODEL_STEPS):
+        value, grad, hess = at(D)
+        if np.abs(grad).max() < 0.5:
+            break
+        ridge = 1e-9 + 1e-6 * hess.diagonal().mean()
+        step = np.linalg.solve(hess + ridge * np.eye(num_experts), -grad)
+        t = 1.0
+        while t > 1e-6 and at(D + t * step)[0] > value + 1e-4 * t * (grad @ step):
+            t /= 2
+        D = D + t * step
+    return D - D.mean()
+
+
+def pair_prices(
+    s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor
+) -> tuple[Tensor, int, float]:
+    """`PAIR_ROUNDS` rounds of pair counts from prices ``p``, each moving them by
+    `model_move`, the window narrowing by `PAIR_SHRINK`; then one max of the prices, so
+    that every rank holds the same bits whatever its BLAS did. Returns (the prices (E,)
+    float64, the collectives, the last move: what the prices are known to within, roughly)."""
+    num_experts = s_parts[0].shape[0]
+    dtype = s_parts[0].dtype
+    p, window, step = p_E.to(torch.float64), PAIR_WINDOW, 0.0
+    for _ in range(PAIR_ROUNDS):
+        p1 = p.to(dtype)[:, None]
+        summed = red.sum([pair_counts(s, p1, k, window) for s in s_parts]).cpu().numpy().astype(np.int64)
+        n = num_experts * num_experts * PAIR_BINS
+        pairs = summed[:n].reshape(num_experts, num_experts, PAIR_BINS).astype(np.float64)
+        excess = summed[n:] - capacities(caps, p).cpu().numpy()
+        move = model_move(pairs, excess, window)
+        p = p + torch.from_numpy(move).to(p.device)
+        step = float(np.abs(move).max())
+        window /= PAIR_SHRINK
+    p = red.max([p.to(s.device) for s in s_parts]).to(p.device)
+    return p, PAIR_ROUNDS + 1, step

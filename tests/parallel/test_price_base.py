@@ -188,6 +188,85 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     assert slow.price_updates == price_base.PRICE_ITERS[1]
 
 
+def flat_scores(seed: int, num_tokens: int, e: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trained router's look: every token's experts within a hair of each other (one token
+    with a wide spread sets the group's scale), and the same scores a step later, moved a little."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, e, generator=g) * 0.01 + torch.randn(e, generator=g) * 0.01
+    x[0] = torch.linspace(-0.5, 0.5, e)
+    return x, x + 0.002 * torch.randn(num_tokens, e, generator=g)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
+    """Warm started and stopped after one update, far from converged: the pair rounds move the
+    prices near enough that the margin holds a sliver of the tokens, not `CAPPED_SHARE`, and
+    the result is the single-process solver's. Without them the margin holds the eighth."""
+    sizes = [250 + 13 * i for i in range(8)]
+    before, x = flat_scores(k, sum(sizes), 8)
+    _, prices, _ = price_balanced_assignment(split(before, sizes), k, ShardReduce(8))
+    assert price_prices.pair_bytes(8) < price_base.CAPPED_SHARE * sum(sizes) * 20  # they pay: the rule runs them
+    out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1)
+    assert stats.price_updates == 1 + price_prices.PAIR_ROUNDS + 1  # and the max that agrees on them
+    assert stats.margin_rows < price_base.CAPPED_SHARE * sum(sizes) / 4, stats
+    assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
+    with mock.patch.object(price_base, "pair_bytes", lambda e: float("inf")):  # where they cost more than they spare
+        wide, _, without = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices,
+                                                     max_price_iters=1)  # fmt: skip
+    assert without.price_updates == 1 and without.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
+    assert torch.equal(same_order(torch.cat(wide)), same_order(torch.cat(out)))
+
+
+def test_an_overfull_expert_widens_its_own_band():
+    """A start that makes expert 0 far too cheap: its fixed tokens overfill it, and its band
+    alone grows until they leave room; the others' tokens stay fixed outside the first band
+    (the eighth a start without updates takes). Growing every band sends nearly every token."""
+    sizes = [250 + 13 * i for i in range(8)]
+    x = make_scores(2, sum(sizes), 8, "gauss")
+    _, prices, _ = price_balanced_assignment(split(x, sizes), 1, ShardReduce(8))
+    far = prices.clone()
+    far[0] -= 0.2 * float((x.amax(1) - x.amin(1)).amax())
+    held = int((torch.argmax(x.double() - far, 1) == 0).sum())
+    out, _, stats = price_balanced_assignment(split(x, sizes), 1, ShardReduce(8), prices=far, max_price_iters=0)
+    assert held > 2 * sum(sizes) / 8  # twice its capacity
+    assert stats.margin_rows < held + sum(sizes) / 4, (stats.margin_rows, held)
+    assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 1)))
+
+
+def test_pair_counts_count_each_token_at_its_boundary():
+    """Each token once, at (its K-th expert, the next, its margin's bin), when the margin is
+    inside the window; the loads are the K best under the prices."""
+    k, e, window = 2, 5, 0.3
+    s = make_scores(3, 40, e, "gauss").T.contiguous()
+    p = torch.linspace(-0.2, 0.2, e, dtype=s.dtype)[:, None]
+    got = price_prices.pair_counts(s, p, k, window)
+    b = price_prices.PAIR_BINS
+    want, loads = torch.zeros(e, e, b, dtype=torch.int64), torch.zeros(e, dtype=torch.int64)
+    for t in range(s.shape[1]):
+        order = sorted(range(e), key=lambda j: -float(s[j, t] - p[j, 0]))
+        loads[order[:k]] += 1
+        gap = float(s[order[k - 1], t] - p[order[k - 1], 0] - (s[order[k], t] - p[order[k], 0]))
+        if gap < window:
+            want[order[k - 1], order[k], int(gap / (window / b))] += 1
+    assert got.dtype == torch.int32
+    assert torch.equal(got[: e * e * b].long().view(e, e, b), want) and torch.equal(got[e * e * b :].long(), loads)
+
+
+def test_model_move_balances_two_experts_and_stays_in_its_window():
+    """400 tokens on expert 0 with expert 1 next, their margins spread evenly over the window:
+    50 too many on 0 move once 0 is dearer than 1 by an eighth of the window (a sixteenth up,
+    a sixteenth down). An excess no token in the window can take stops at half the window."""
+    window = 4e-3
+    pairs = torch.zeros(2, 2, price_prices.PAIR_BINS, dtype=torch.float64)
+    pairs[0, 1] = 400 / price_prices.PAIR_BINS
+    move = price_prices.model_move(pairs.numpy(), torch.tensor([50, -50]).numpy(), window)
+    assert move == pytest.approx([window / 16, -window / 16], rel=1e-3)
+    move = price_prices.model_move(pairs.numpy(), torch.tensor([1000, -1000]).numpy(), window)
+    assert move[0] == pytest.approx(window / 2, rel=1e-3) and move[1] == pytest.approx(-window / 2, rel=1e-3)
+    move = price_prices.model_move(pairs.numpy(), torch.tensor([-50, 50]).numpy(), window)  # 1 has no tokens to give
+    assert move[1] == pytest.approx(window / 2, rel=1e-3)
+
+
 @pytest.mark.parametrize("e", [8, 256, 300])  # uint8 experts up to id 255, int16 beyond
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("cols", ["some", "all"])
@@ -303,6 +382,19 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     width = price_base._Layout.of(sum(sizes), 24, 2, x.dtype).width(2, keyed=False)
     assert stats.checks >= 2 and first // width < stats.margin_rows, stats  # rows new to the certificate
     start = sum(sizes[:me])
+    assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me
+    # the pair rounds after one update from the previous scores' prices: the same counts,
+    # moves and agreed prices on every rank as one process solving the stacked problem
+    sizes = [0 if j == 1 else 80 + 9 * j for j in range(world)]
+    before, x = flat_scores(seed + 40, sum(sizes), 8)
+    _, p0, _ = price_balanced_assignment([before], 2, ShardReduce(1))
+    with mock.patch.object(price_base, "pair_bytes", lambda e: 0):  # they run whatever they cost
+        (got,), p_got, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group),
+                                                         prices=p0, max_price_iters=1)  # fmt: skip
+        (one,), p_one, one_stats = price_balanced_assignment([x], 2, ShardReduce(1), prices=p0, max_price_iters=1)
+    assert stats.price_updates == one_stats.price_updates == 1 + price_prices.PAIR_ROUNDS + 1
+    start = sum(sizes[:me])
+    assert torch.equal(p_got, p_one) and torch.equal(got, one[start : start + sizes[me]]), me
     assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me
     bad = make_scores(seed, 10, 8, "gauss")
     if me == world - 1:
