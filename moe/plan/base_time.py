@@ -15,9 +15,10 @@ experts as uint8 (int16 beyond 256 experts) and their fp32 scores, without a key
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
 all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, and the rank's
 own passes over its (T, E) scores (histograms, the pick) read them `PASSES` times from HBM.
-This model is of separated (random) scores. A trained router's replayed scores take 8-25
-rounds warm (a median of 14: the updates stop once they stall) and gather about a fifth of
-the tokens at W = 64 (docs/scale.md costs that case).
+This model is of separated (random) scores by default. A trained router's scores
+(`STALLED`): the price updates stall, and the pair rounds follow where their E x E x 4 int32
+counts cost less than the eighth of the tokens the margin would otherwise hold (4 more
+rounds); docs/scale.md costs that case with the replay's measured updates and margin.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import LlamaConfig
-from ..parallel.price_base import SENT, _Layout
+from ..parallel.price_base import CAPPED_SHARE, SENT, _Layout
+from ..parallel.price_prices import PAIR_ROUNDS, pair_bytes
 from .layout import Layout
 
-__all__ = ["PRICE_UPDATES", "ROUND_LATENCY_S", "global_base_bytes", "global_base_s", "uses_global_base"]
+__all__ = [
+    "PRICE_UPDATES",
+    "ROUND_LATENCY_S",
+    "STALLED",
+    "global_base_bytes",
+    "global_base_s",
+    "pair_rounds",
+    "uses_global_base",
+]
 
 PRICE_UPDATES = 8  # 6-10 measured at W = 64, K = 1 and 8, E = 64 and 256
+STALLED = False  # the updates stall (a trained router's scores): the pair rounds run where they pay
 ROUND_LATENCY_S = 50e-6
 PASSES = 2 * PRICE_UPDATES + 4  # a histogram pass and a pick per update, the normalisation, the margin
 
@@ -46,21 +57,34 @@ def margin_share(experts: int) -> float:
     return 0.0012 if experts <= 64 else 0.005 if experts >= 256 else 0.0012 + 0.0038 * (experts - 64) / 192
 
 
+def _row(cfg: LlamaConfig, lay: Layout, tokens: int) -> int:
+    E, K = cfg.moe.num_experts, cfg.moe.top_k
+    return _Layout.of(lay.ep * tokens, E, K, torch.float32).width(min(E, K + SENT), keyed=False)
+
+
+def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
+    """Whether a solve runs the pair rounds: the updates stall and they cost less than the
+    eighth of the tokens at the margin they spare (`price_base.price_balanced_assignment`)."""
+    E = cfg.moe.num_experts
+    return STALLED and pair_bytes(E) < CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
+
+
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     """Bytes one rank receives in one solve of one layer."""
-    W, E, K = lay.ep, cfg.moe.num_experts, cfg.moe.top_k
+    W, E = lay.ep, cfg.moe.num_experts
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
     header = reduce * (8 + 3 * W) * 8
     prices = PRICE_UPDATES * reduce * 18 * E * 4
+    pairs = reduce * (pair_bytes(E) + E * 8) if pair_rounds(cfg, lay, tokens) else 0  # and the prices' max
     counts = reduce * (E + W + 33) * 8
-    row = _Layout.of(W * tokens, E, K, torch.float32).width(min(E, K + SENT), keyed=False)
-    rows = max(margin_share(E) * W * tokens, 2 * E) * row
+    rows = max(margin_share(E) * W * tokens, 2 * E) * _row(cfg, lay, tokens)
     certificate = 2 * reduce * 2 * W * 8
-    return header + prices + counts + rows + certificate
+    return header + prices + pairs + counts + rows + certificate
 
 
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
-    rounds = PRICE_UPDATES + 6
-    local = PASSES * tokens * cfg.moe.num_experts * 4 / hbm_bw
+    pairs = pair_rounds(cfg, lay, tokens)
+    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 1 if pairs else 0)
+    local = (PASSES + (PAIR_ROUNDS if pairs else 0)) * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

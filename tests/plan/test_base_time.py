@@ -4,10 +4,12 @@ what the simulated solver measured, and its share of the step at the large layou
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 
 from moe.models.llama import LlamaConfig
+from moe.parallel.price_prices import PAIR_ROUNDS, pair_bytes
 from moe.plan import base_time
 from moe.plan.hardware import GPUS
 from moe.plan.layout import Layout
@@ -35,6 +37,26 @@ def test_bytes_match_the_simulated_solver():
     got = base_time.global_base_bytes(cfg, Layout(ep=64, dp_shard=64), 4096)
     assert 0.049e6 <= got <= 2 * 0.058e6
     assert got <= 0.01 * 64 * 4096 * 64 * 4  # under 1% of the gathered path's scores
+
+
+def test_stalled_updates_pay_the_pair_rounds_where_they_spare_bytes():
+    """A trained router's scores (`STALLED`): at W = 64, T = 4096, E = 64 the pair rounds' counts
+    (197 KB) cost less than an eighth of the tokens at the margin (655 KB), so a solve pays
+    them and their rounds; at W = 8 they would cost more, and the solve is as without."""
+    cfg = dataclasses.replace(_base("deepseek-v3-like"), moe=dataclasses.replace(_base("deepseek-v3-like").moe,
+                              num_experts=64, top_k=1))  # fmt: skip
+    for ep, runs in ((64, True), (8, False)):
+        lay = Layout(ep=ep, dp_shard=ep)
+        plain = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
+        with mock.patch.object(base_time, "STALLED", True):
+            assert base_time.pair_rounds(cfg, lay, 4096) == runs
+            stalled = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
+        if runs:
+            reduce = 2 * (ep - 1) / ep
+            assert stalled[0] - plain[0] == pytest.approx(reduce * (pair_bytes(64) + 64 * 8))
+            assert stalled[1] - plain[1] >= (PAIR_ROUNDS + 1) * base_time.ROUND_LATENCY_S
+        else:
+            assert stalled == plain
 
 
 def test_only_base_over_an_ep_group_pays_it():
