@@ -15,8 +15,8 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    until the loads miss the capacities by at most E slots in all, or at most 40 updates from
    zero prices and 20 from a previous call's (`PRICE_ITERS`); from a previous call's, also
    once two updates have taken less than a fifth off the miss (stalled: a trained router's
-   scores, where each further update buys little and costs a round). Where they stall or
-   reach their cap, 3 pair rounds follow (`price_prices.pair_prices`) when their E x E x 4
+   scores, where each further update buys little and costs a round). Where warm updates
+   stall or reach their cap, 3 pair rounds follow (`price_prices.pair_prices`) when their E x E x 4
    int32 counts cost less than the eighth of the tokens the margin would otherwise hold: the
    tokens counted by the pair of experts they stand between and their margin, from which
    every rank moves the prices alike; one max of the prices then agrees on their bits;
@@ -225,8 +225,15 @@ def price_balanced_assignment(
             s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
         row = _Layout.of(total, num_experts, k, dtype).width(min(num_experts, k + SENT), keyed=False)
-        if not converged and max_price_iters > 0 and pair_bytes(num_experts) < CAPPED_SHARE * total * row:
-            # stalled or capped: the pair rounds cost less than the wide margin they spare
+        if (
+            start is not None
+            and not converged
+            and max_price_iters > 0
+            and pair_bytes(num_experts) < CAPPED_SHARE * total * row
+        ):
+            # warm, stalled or capped: the pair rounds cost less than the wide margin they spare
+            # (their windows suit a previous call's prices, a few 1e-3 off; the cold updates'
+            # slow modes are further, and there they widened the margin)
             p, n, width = pair_prices(s_parts, caps, k, red, p)
             stats.price_updates += n
             converged = True

@@ -201,7 +201,8 @@ def flat_scores(seed: int, num_tokens: int, e: int, shift: float = 0.0) -> tuple
 def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     """Warm started and stopped after one update, far from converged: the pair rounds move the
     prices near enough that the margin holds a sliver of the tokens, not `CAPPED_SHARE`, and
-    the result is the single-process solver's. Without them the margin holds the eighth."""
+    the result is the single-process solver's. Without them (where they would cost more than
+    they spare, or from zero prices) the margin holds the eighth."""
     sizes = [250 + 13 * i for i in range(8)]
     before, x = flat_scores(k, sum(sizes), 8)
     _, prices, _ = price_balanced_assignment(split(before, sizes), k, ShardReduce(8))
@@ -215,6 +216,9 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
                                                      max_price_iters=1)  # fmt: skip
     assert without.price_updates == 1 and without.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
     assert torch.equal(same_order(torch.cat(wide)), same_order(torch.cat(out)))
+    cold, _, cold_stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), max_price_iters=1)
+    assert cold_stats.price_updates == 1  # from zero prices: no pair rounds (their windows suit a warm start)
+    assert torch.equal(same_order(torch.cat(cold)), same_order(torch.cat(out)))
 
 
 def test_an_overfull_expert_widens_its_own_band():
