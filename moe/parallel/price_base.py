@@ -19,7 +19,8 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    stall or reach their cap, 3 pair rounds follow (`price_prices.pair_prices`) when their E x E x 4
    int32 counts cost less than the eighth of the tokens the margin would otherwise hold: the
    tokens counted by the pair of experts they stand between and their margin, from which
-   every rank moves the prices alike; one max of the prices then agrees on their bits;
+   every rank moves the prices alike; one max of the prices and the last move then agrees
+   on their bits;
 3. the margin: every token picks its K best under the prices; those whose K-th choice is
    ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
    last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
@@ -358,7 +359,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held
     edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
     while True:  # the bands grow until the fixed tokens leave room the margin rows can fill
-        last = bool((band > 4.0).all())  # every token's margin is below 4 in [-1, 1] scores: the whole problem
+        last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
         near = [
             m < band.to(m.device, m.dtype)[out].amax(1) if not last else torch.ones_like(m, dtype=torch.bool)
             for out, m in picks
@@ -376,7 +377,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         m_sizes = summed[num_experts : num_experts + world].tolist()
         if sum(m_sizes) < min_rows and not last:  # to the first edge with enough rows below it: one more count
             below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
-            band.clamp_(min=float(edges[int((below < min_rows).sum())]))
+            band.clamp_(min=float(edges[min(int((below < min_rows).sum()), GAP_BINS - 1)]))  # far prices: past 4
             continue
         if not bool((room >= 0).all()):  # the fixed tokens overfill these experts: their bands grow
             band[room < 0] *= 4

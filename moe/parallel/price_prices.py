@@ -147,35 +147,39 @@ def model_move(pairs_EEB: np.ndarray, excess_E: np.ndarray, window: float) -> np
     the loads then meet the capacities (``excess`` = loads - capacities). The model is the
     gradient of a convex function (a sum over pairs of the integrals of their counts, less
     ``excess . D``), minimised by damped Newton steps; every move stays within half the
-    window (a penalty: the model knows no token beyond it). Deterministic: numpy on the host."""
+    window before their mean is taken off (a penalty: the model knows no token beyond it), so
+    within the window after. Stops once the loads meet the capacities to half a token, or the
+    Newton step is below 1e-4 of the window. Deterministic: numpy on the host."""
     num_experts, _, bins = pairs_EEB.shape
     h = window / bins
-    zero = np.zeros((num_experts, num_experts, 1))
-    below = np.concatenate([zero, pairs_EEB.cumsum(2)], 2)  # tokens under each bin edge
-    area = np.concatenate([zero, (h * (below[:, :, 1:] + below[:, :, :-1]) / 2).cumsum(2)], 2)
+    ia, ib = np.nonzero(pairs_EEB.sum(2))  # the pairs with tokens: the others add nothing
+    n = np.arange(ia.size)
+    below = np.concatenate([np.zeros((ia.size, 1)), pairs_EEB[ia, ib].cumsum(1)], 1)  # tokens under each bin edge
+    area = np.concatenate([np.zeros((ia.size, 1)), (h * (below[:, 1:] + below[:, :-1]) / 2).cumsum(1)], 1)
     r = excess_E.astype(np.float64)
-    mu = 1e3 * (np.abs(r).sum() + below[:, :, -1].sum() + 1) / window
-    rows = np.arange(num_experts)
+    mu = 1e3 * (np.abs(r).sum() + below[:, -1].sum() + 1) / window
+    rows, cells = np.arange(num_experts), num_experts * num_experts
 
-    def at(D):
-        x = D[:, None] - D[None, :]
+    def at(D, full=True):
+        x = D[ia] - D[ib]
         xc = np.maximum(x, 0)
         j = np.minimum(np.floor(xc / h), bins - 1).astype(np.int64)
         t = xc - j * h
-        c0 = np.take_along_axis(below, j[..., None], 2)[..., 0]
-        c1 = np.take_along_axis(below, j[..., None] + 1, 2)[..., 0]
-        a0 = np.take_along_axis(area, j[..., None], 2)[..., 0]
+        c0, c1, a0 = below[n, j], below[n, j + 1], area[n, j]
         slope = (c1 - c0) / h
         over = xc > window
-        f = np.where(over, below[:, :, -1], c0 + slope * t)
-        g = np.where(over, area[:, :, -1] + below[:, :, -1] * (xc - window), a0 + c0 * t + slope * t * t / 2)
+        f = np.where(over, below[:, -1], c0 + slope * t)
+        g = np.where(over, area[:, -1] + below[:, -1] * (xc - window), a0 + c0 * t + slope * t * t / 2)
         d = np.where(over | (x <= 0), 0.0, slope)
         ex = np.maximum(np.abs(D) - window / 2, 0)
         value = g.sum() - r @ D + mu * (ex * ex).sum()
-        grad = f.sum(1) - f.sum(0) - r + 2 * mu * ex * np.sign(D)
-        sym = d + d.T
-        hess = -sym
-        hess[rows, rows] += sym.sum(1) + 2 * mu * (ex > 0)
+        if not full:
+            return value, None, None
+        grad = np.bincount(ia, f, num_experts) - np.bincount(ib, f, num_experts) - r + 2 * mu * ex * np.sign(D)
+        hess = -(np.bincount(ia * num_experts + ib, d, cells) + np.bincount(ib * num_experts + ia, d, cells))
+        hess = hess.astype(np.float64)  # no pair in the window: bincount's zeros are integers
+        hess = hess.reshape(num_experts, num_experts)
+        hess[rows, rows] += np.bincount(ia, d, num_experts) + np.bincount(ib, d, num_experts) + 2 * mu * (ex > 0)
         return value, grad, hess
 
     D = np.zeros(num_experts)
@@ -184,11 +188,14 @@ def model_move(pairs_EEB: np.ndarray, excess_E: np.ndarray, window: float) -> np
         if np.abs(grad).max() < 0.5:
             break
         ridge = 1e-9 + 1e-6 * hess.diagonal().mean()
-        step = np.linalg.solve(hess + ridge * np.eye(num_experts), -grad)
+        # torch's solve on its own threads: numpy's BLAS may start as many threads as cores
+        step = torch.linalg.solve(torch.from_numpy(hess + ridge * np.eye(num_experts)), torch.from_numpy(-grad)).numpy()
         t = 1.0
-        while t > 1e-6 and at(D + t * step)[0] > value + 1e-4 * t * (grad @ step):
+        while t > 1e-6 and at(D + t * step, full=False)[0] > value + 1e-4 * t * (grad @ step):
             t /= 2
         D = D + t * step
+        if np.abs(step).max() < 1e-4 * window:  # the full Newton step: near the minimum
+            break
     return D - D.mean()
 
 
@@ -196,8 +203,8 @@ def pair_prices(
     s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor
 ) -> tuple[Tensor, int, float]:
     """`PAIR_ROUNDS` rounds of pair counts from prices ``p``, each moving them by
-    `model_move`, the window narrowing by `PAIR_SHRINK`; then one max of the prices, so
-    that every rank holds the same bits whatever its BLAS did. Returns (the prices (E,)
+    `model_move`, the window narrowing by `PAIR_SHRINK`; then one max of the prices and the
+    last move, so that every rank holds the same bits whatever its BLAS did. Returns (the prices (E,)
     float64, the collectives, the last move: what the prices are known to within, roughly)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
@@ -212,5 +219,6 @@ def pair_prices(
         p = p + torch.from_numpy(move).to(p.device)
         step = float(np.abs(move).max())
         window /= PAIR_SHRINK
-    p = red.max([p.to(s.device) for s in s_parts]).to(p.device)
-    return p, PAIR_ROUNDS + 1, step
+    last = torch.tensor([step], dtype=torch.float64, device=p.device)
+    agreed = red.max([torch.cat([p, last]).to(s.device) for s in s_parts]).to(p.device)
+    return agreed[:-1], PAIR_ROUNDS + 1, float(agreed[-1])  # the last move agreed too: it sets the band

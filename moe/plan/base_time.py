@@ -75,11 +75,15 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
     header = reduce * (8 + 3 * W) * 8
     prices = PRICE_UPDATES * reduce * 18 * E * 4
-    pairs = reduce * (pair_bytes(E) + E * 8) if pair_rounds(cfg, lay, tokens) else 0  # and the prices' max
+    pairs = pair_rounds(cfg, lay, tokens)
+    pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max
     counts = reduce * (E + W + 33) * 8
-    rows = max(margin_share(E) * W * tokens, 2 * E) * _row(cfg, lay, tokens)
+    share = margin_share(E)
+    if STALLED and not pairs:  # stalled without the pair rounds: at least the cap's eighth
+        share = max(share, CAPPED_SHARE)
+    rows = max(share * W * tokens, 2 * E) * _row(cfg, lay, tokens)
     certificate = 2 * reduce * 2 * W * 8
-    return header + prices + pairs + counts + rows + certificate
+    return header + prices + pair_counts + counts + rows + certificate
 
 
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:

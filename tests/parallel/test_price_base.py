@@ -188,7 +188,7 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     assert slow.price_updates == price_base.PRICE_ITERS[1]
 
 
-def flat_scores(seed: int, num_tokens: int, e: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def flat_scores(seed: int, num_tokens: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A trained router's look: every token's experts within a hair of each other (one token
     with a wide spread sets the group's scale), and the same scores a step later, moved a little."""
     g = torch.Generator().manual_seed(seed)
@@ -221,19 +221,32 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     assert torch.equal(same_order(torch.cat(cold)), same_order(torch.cat(out)))
 
 
-def test_an_overfull_expert_widens_its_own_band():
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_overfull_expert_widens_its_own_band(k):
     """A start that makes expert 0 far too cheap: its fixed tokens overfill it, and its band
-    alone grows until they leave room; the others' tokens stay fixed outside the first band
-    (the eighth a start without updates takes). Growing every band sends nearly every token."""
+    alone grows until they leave room (a token takes the widest band of the experts it holds);
+    the others' tokens stay fixed outside the first band (the eighth a start without updates
+    takes). Growing every band sends nearly every token."""
     sizes = [250 + 13 * i for i in range(8)]
     x = make_scores(2, sum(sizes), 8, "gauss")
-    _, prices, _ = price_balanced_assignment(split(x, sizes), 1, ShardReduce(8))
+    _, prices, _ = price_balanced_assignment(split(x, sizes), k, ShardReduce(8))
     far = prices.clone()
     far[0] -= 0.2 * float((x.amax(1) - x.amin(1)).amax())
-    held = int((torch.argmax(x.double() - far, 1) == 0).sum())
-    out, _, stats = price_balanced_assignment(split(x, sizes), 1, ShardReduce(8), prices=far, max_price_iters=0)
-    assert held > 2 * sum(sizes) / 8  # twice its capacity
+    held = int((torch.topk(x.double() - far, k, dim=1).indices == 0).any(1).sum())
+    out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=far, max_price_iters=0)
+    assert held > 2 * sum(sizes) * k / 8  # twice its capacity
     assert stats.margin_rows < held + sum(sizes) / 4, (stats.margin_rows, held)
+    assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
+
+
+def test_prices_too_far_for_the_margins_bins():
+    """Prices so far apart that fewer than 2E tokens have a margin under the last bin's edge
+    (about 2e3 of the normalised scores): the band goes past 4, the whole problem."""
+    x = make_scores(0, 200, 4, "gauss")
+    spread = float((x.amax(1) - x.amin(1)).amax())
+    far = torch.tensor([0.0, 1e4, 2e4, 3e4], dtype=torch.float64) * spread
+    out, _, stats = price_balanced_assignment(split(x, [120, 80]), 1, ShardReduce(2), prices=far)
+    assert stats.margin_rows == 200
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 1)))
 
 
@@ -269,6 +282,9 @@ def test_model_move_balances_two_experts_and_stays_in_its_window():
     assert move[0] == pytest.approx(window / 2, rel=1e-3) and move[1] == pytest.approx(-window / 2, rel=1e-3)
     move = price_prices.model_move(pairs.numpy(), torch.tensor([-50, 50]).numpy(), window)  # 1 has no tokens to give
     assert move[1] == pytest.approx(window / 2, rel=1e-3)
+    empty = torch.zeros(4, 4, price_prices.PAIR_BINS, dtype=torch.float64)  # no token in the window at all
+    move = price_prices.model_move(empty.numpy(), torch.tensor([3, -1, -1, -1]).numpy(), window)
+    assert torch.from_numpy(move).isfinite().all() and abs(move).max() <= window
 
 
 @pytest.mark.parametrize("e", [8, 256, 300])  # uint8 experts up to id 255, int16 beyond
