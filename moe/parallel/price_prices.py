@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..routing.balanced import _Capacities
+from ..routing.balanced.threads import solve_threads
 from .reduction import Reduction
 
 BINS = 16  # per expert and update: E * (BINS + 2) counts travel (64 took as many updates at 3.7x the bytes)
@@ -188,7 +189,7 @@ def model_move(pairs_EEB: np.ndarray, excess_E: np.ndarray, window: float) -> np
         if np.abs(grad).max() < 0.5:
             break
         ridge = 1e-9 + 1e-6 * hess.diagonal().mean()
-        # torch's solve on its own threads: numpy's BLAS may start as many threads as cores
+        # torch's solve, on the threads `solve_threads` chose: numpy's BLAS may start one a core
         step = torch.linalg.solve(torch.from_numpy(hess + ridge * np.eye(num_experts)), torch.from_numpy(-grad)).numpy()
         t = 1.0
         while t > 1e-6 and at(D + t * step, full=False)[0] > value + 1e-4 * t * (grad @ step):
@@ -215,7 +216,8 @@ def pair_prices(
         n = num_experts * num_experts * PAIR_BINS
         pairs = summed[:n].reshape(num_experts, num_experts, PAIR_BINS).astype(np.float64)
         excess = summed[n:] - capacities(caps, p).cpu().numpy()
-        move = model_move(pairs, excess, window)
+        with solve_threads(("pair model", num_experts)):  # one thread where the other cores are busy
+            move = model_move(pairs, excess, window)
         p = p + torch.from_numpy(move).to(p.device)
         step = float(np.abs(move).max())
         window /= PAIR_SHRINK
