@@ -30,7 +30,7 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 3 best
    experts under the prices, its slots first, not all E, and travels as bytes: the experts
    (uint8 up to 256) and their fp32 scores, 5 (K + 3) bytes against K + 4E for every column
-   (`_Layout`), and no index: the rows come in rank order, and each rank knows which of its
+   (`RowLayout`), and no index: the rows come in rank order, and each rank knows which of its
    tokens it sent; the other columns count as ``UNSENT``, below every score. Fewer than 2E
    rows in the band widen it first, to the bin edge with enough below it (one more sum): so
    thin a margin leaves the cycles too few moves to take up the loads' last misses, the
@@ -69,6 +69,7 @@ from torch import Tensor
 from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern, _sub_transposed
 from ..routing.exchange import _Graph, held_mask, violations
 from .price_prices import capacities, jacobi_prices, pair_bytes, pair_prices
+from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
 from .reduction import Reduction
 
 __all__ = ["PriceStats", "price_balanced_assignment"]
@@ -79,8 +80,6 @@ MIN_BAND = 1e-6
 MIN_ROWS = 2  # per expert: a thinner margin leaves the cycles too few moves, and many fixed tokens fail
 CAPPED_SHARE = 1 / 8  # of the tokens, at least, at the margin when the price updates reach their cap or stall
 PRICE_ITERS = (40, 20)  # the cap on the price updates, cold and warm started
-UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
-SENT = 3  # columns a margin row carries beyond its K slots: its best under the prices
 LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
@@ -225,7 +224,7 @@ def price_balanced_assignment(
         p, stats.price_updates, width, converged = jacobi_prices(
             s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
-        row = _Layout.of(total, num_experts, k, dtype).width(min(num_experts, k + SENT), keyed=False)
+        row = RowLayout.of(total, num_experts, k, dtype).width(min(num_experts, k + SENT), keyed=False)
         if (
             start is not None
             and not converged
@@ -270,82 +269,6 @@ def _pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return idx[:k].T.contiguous(), vals[k - 1] - vals[k]
 
 
-def _as_bytes(x: Tensor) -> Tensor:
-    """(n, c) values as (n, c * itemsize) uint8, their bits unchanged."""
-    n, c = x.shape
-    return x.contiguous().view(-1).view(torch.uint8).view(n, c * x.element_size())  # flat: any 1-row stride
-
-
-def _of_bytes(b: Tensor, dtype) -> Tensor:
-    """`_as_bytes` back: (n, c) uint8 as (n, c / itemsize) values of ``dtype``."""
-    return b.clone(memory_format=torch.contiguous_format).view(dtype)  # a fresh copy: aligned, dense strides
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How a row travels, as bytes: a key where it has one (int32 while the group's tokens fit,
-    else int64), the experts it names (uint8 up to 256 experts, int16 up to 2^15) and their
-    scores (the solve's dtype). A row of ``cols`` < E columns names them, its K slots first; a
-    row of every column names its K slots alone and holds the scores in expert order. The
-    margin's rows have no key (each rank knows which of its tokens it sent, in order); the
-    certificate's name the residual row they add columns to, or -1 for a row new to it."""
-
-    index: torch.dtype
-    expert: torch.dtype
-    score: torch.dtype
-    num_experts: int
-    k: int
-
-    @staticmethod
-    def of(total: int, num_experts: int, k: int, dtype) -> _Layout:
-        index = torch.int32 if total < 2**31 else torch.int64
-        expert = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
-        return _Layout(index, expert, dtype, num_experts, k)
-
-    def named(self, cols: int) -> int:
-        """Experts a row of ``cols`` columns names."""
-        return self.k if cols == self.num_experts else cols
-
-    def width(self, cols: int, keyed: bool = True) -> int:
-        """Bytes a row of ``cols`` columns takes, with or without its key."""
-        key = self.index.itemsize if keyed else 0
-        return key + self.named(cols) * self.expert.itemsize + cols * self.score.itemsize
-
-
-def _rows(
-    s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, keys: Tensor | None, cols: int, lay: _Layout
-) -> tuple[Tensor, Tensor]:
-    """The rows that travel for tokens ``local``, (n, width) uint8 (`_Layout`, led by ``keys``
-    (n,) where given), and the columns they carry (E, n) bool: the slots and the ``cols`` - K
-    best other experts under the prices."""
-    num_experts = s_ET.shape[0]
-    s = s_ET.index_select(1, local)
-    held = out_TK.index_select(0, local)
-    if cols < num_experts:
-        a = (s - p_E1).scatter_(0, held.T, float("-inf"))  # the slots aside: they come first, in order
-        idx = torch.cat([held, torch.topk(a, cols - held.shape[1], dim=0).indices.T], 1)
-        vals, named = s.T.gather(1, idx), idx
-    else:
-        idx = torch.arange(num_experts, device=s.device).expand(s.shape[1], -1)
-        vals, named = s.T, held
-    sent = torch.zeros_like(s, dtype=torch.bool).scatter_(0, idx.T, True)
-    parts = [] if keys is None else [keys[:, None].to(lay.index)]
-    parts += [named.to(lay.expert), vals.to(lay.score)]
-    return torch.cat([_as_bytes(x) for x in parts], dim=1), sent
-
-
-def _unpack(rows: Tensor, lay: _Layout, cols: int, keyed: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
-    """`_rows` back: the keys (n,) (None without), slots (n, K), scores (E, n), ``UNSENT`` where
-    a row carries no column."""
-    at, n_named = lay.index.itemsize if keyed else 0, lay.named(cols) * lay.expert.itemsize
-    keys = _of_bytes(rows[:, :at], lay.index)[:, 0].long() if keyed else None
-    named = _of_bytes(rows[:, at : at + n_named], lay.expert).long()
-    s = _of_bytes(rows[:, at + n_named :], lay.score)
-    if cols < lay.num_experts:
-        s = torch.full((rows.shape[0], lay.num_experts), UNSENT, dtype=lay.score).scatter_(1, named, s)
-    return keys, named[:, : lay.k], s.T.contiguous()
-
-
 def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats):
     """Steps 3 and 4 of the module docstring, the band widened to hold at least ``min_rows``
     tokens. Returns (slots per shard, prices, certified)."""
@@ -355,7 +278,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     p1 = p.to(dtype)[:, None]
     picks = [_pick(s, p1, k) for s in s_parts]
     cols = min(num_experts, k + SENT)
-    lay = _Layout.of(sum(sizes), num_experts, k, dtype)
+    lay = RowLayout.of(sum(sizes), num_experts, k, dtype)
     band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held
     edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
     while True:  # the bands grow until the fixed tokens leave room the margin rows can fill
@@ -384,10 +307,11 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             continue
         sent_local = [nr.nonzero().flatten() for nr in near]
         made = [
-            _rows(s, p1, out, lc, None, cols, lay) for s, (out, _), lc in zip(s_parts, picks, sent_local, strict=True)
+            pack_rows(s, p1, out, lc, None, cols, lay)
+            for s, (out, _), lc in zip(s_parts, picks, sent_local, strict=True)
         ]
         rows = red.gather([r for r, _ in made], m_sizes).cpu()
-        _, _, s_res = _unpack(rows, lay, cols, keyed=False)
+        _, _, s_res = unpack_rows(rows, lay, cols, keyed=False)
         slots = torch.full((rows.shape[0], k), -1, dtype=torch.int64)
         try:
             _fill(s_res, slots, room, p.to(dtype).cpu())
@@ -453,11 +377,11 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
             break
         width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
         made = [  # a new row keyed -1, a short one by its residual row; their best under the new prices
-            _rows(s, q[:, None], out, torch.cat([b, sh]), torch.cat([torch.full_like(b, -1), ar[sh]]), width, lay)
+            pack_rows(s, q[:, None], out, torch.cat([b, sh]), torch.cat([torch.full_like(b, -1), ar[sh]]), width, lay)
             for s, out, b, sh, ar in zip(s_parts, outs, bad, short, at_row, strict=True)
         ]
         more = red.gather([r for r, _ in made], b_sizes).cpu()
-        again, new_slots, new_s = _unpack(more, lay, width)
+        again, new_slots, new_s = unpack_rows(more, lay, width)
         old = again >= 0
         added = ids.numel() + torch.cumsum(~old, 0) - 1  # where each new row goes
         ids = torch.cat([ids, torch.full((int((~old).sum()),), -1, dtype=torch.int64)])

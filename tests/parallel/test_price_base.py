@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from moe.parallel import price_base, price_prices
+from moe.parallel import price_base, price_prices, price_rows
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
@@ -293,13 +293,13 @@ def test_model_move_balances_two_experts_and_stays_in_its_window():
 @pytest.mark.parametrize("total", [100, 2**31])  # int32 and int64 keys
 @pytest.mark.parametrize("keyed", [True, False])  # the certificate's rows, the margin's
 def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total, keyed):
-    """`_rows` packs rows into bytes and `_unpack` reads every rank's back: the key where a row
+    """`pack_rows` packs rows into bytes and `unpack_rows` reads every rank's back: the key where a row
     has one, the slots in their order, the carried columns' scores bit for bit and ``UNSENT``
     elsewhere; a row of ``cols`` < E carries its slots and its ``cols`` - K best other experts."""
     g = torch.Generator().manual_seed(e)
     k = 2
     width = e if cols == "all" else k + 3
-    lay = price_base._Layout.of(total, e, k, dtype)
+    lay = price_rows.RowLayout.of(total, e, k, dtype)
     assert lay.index == (torch.int32 if total < 2**31 else torch.int64)
     assert lay.expert == (torch.uint8 if e <= 256 else torch.int16)
     p = torch.randn(e, 1, generator=g, dtype=dtype)
@@ -309,11 +309,11 @@ def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total, keyed):
     locals_ = [torch.tensor(i, dtype=torch.int64) for i in ([0, 2, 5], [], [8, 1, 3, 4], [0])]  # one empty, one 1 row
     keys = [torch.tensor(i, dtype=torch.int64) for i in ([-1, 2, 5], [], [14, -1, 9, 10], [total - 16])]
     keys = keys if keyed else [None] * 4
-    made = [price_base._rows(*a, width, lay) for a in zip(shards, [p] * 4, picks, locals_, keys, strict=True)]
+    made = [price_rows.pack_rows(*a, width, lay) for a in zip(shards, [p] * 4, picks, locals_, keys, strict=True)]
     rows = torch.cat([r for r, _ in made])
     assert rows.dtype == torch.uint8 and rows.shape[1] == lay.width(width, keyed)
     assert lay.width(width, True) - lay.width(width, False) == lay.index.itemsize
-    got_keys, slots, got = price_base._unpack(rows, lay, width, keyed)
+    got_keys, slots, got = price_rows.unpack_rows(rows, lay, width, keyed)
     if keyed:
         assert got_keys.tolist() == [-1, 2, 5, 14, -1, 9, 10, total - 16]
     else:
@@ -322,7 +322,7 @@ def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total, keyed):
     assert torch.equal(slots, torch.cat([o[lc] for o, lc in zip(picks, locals_, strict=True)]))
     want = torch.cat([s[:, lc] for s, lc in zip(shards, locals_, strict=True)], 1)
     sent = torch.cat([m for _, m in made], 1)
-    assert torch.equal(got[sent], want[sent]) and bool((got[~sent] == price_base.UNSENT).all())
+    assert torch.equal(got[sent], want[sent]) and bool((got[~sent] == price_rows.UNSENT).all())
     held = torch.zeros_like(sent).scatter_(0, slots.T, True)
     best = torch.topk(torch.where(held, float("-inf"), want - p), width - k, dim=0).indices
     assert torch.equal(sent, held.scatter(0, best, True))
@@ -399,7 +399,7 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
         (got,), _, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group), prices=far,
                                                      max_price_iters=0)  # fmt: skip
     first = next(values for kind, values, _ in stats.log if kind == "gather")  # the margin's rows, in bytes
-    width = price_base._Layout.of(sum(sizes), 24, 2, x.dtype).width(2, keyed=False)
+    width = price_rows.RowLayout.of(sum(sizes), 24, 2, x.dtype).width(2, keyed=False)
     assert stats.checks >= 2 and first // width < stats.margin_rows, stats  # rows new to the certificate
     start = sum(sizes[:me])
     assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me

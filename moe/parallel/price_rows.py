@@ -1,0 +1,92 @@
+"""How global BASE's rows travel between ranks: as bytes, a row naming the experts whose scores it
+carries (`price_base`). A margin row carries a token's K slots and its `SENT` best other experts
+under the prices, not all E: 5 (K + 3) bytes against K + 4E at E <= 256 in fp32; the columns a
+row does not carry read back as `UNSENT`, below every normalised score."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["SENT", "UNSENT", "RowLayout", "as_bytes", "of_bytes", "pack_rows", "unpack_rows"]
+
+UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
+SENT = 3  # columns a margin row carries beyond its K slots: its best under the prices
+
+
+def as_bytes(x: Tensor) -> Tensor:
+    """(n, c) values as (n, c * itemsize) uint8, their bits unchanged."""
+    n, c = x.shape
+    return x.contiguous().view(-1).view(torch.uint8).view(n, c * x.element_size())  # flat: any 1-row stride
+
+
+def of_bytes(b: Tensor, dtype) -> Tensor:
+    """`as_bytes` back: (n, c) uint8 as (n, c / itemsize) values of ``dtype``."""
+    return b.clone(memory_format=torch.contiguous_format).view(dtype)  # a fresh copy: aligned, dense strides
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a row travels, as bytes: a key where it has one (int32 while the group's tokens fit,
+    else int64), the experts it names (uint8 up to 256 experts, int16 up to 2^15) and their
+    scores (the solve's dtype). A row of ``cols`` < E columns names them, its K slots first; a
+    row of every column names its K slots alone and holds the scores in expert order. The
+    margin's rows have no key (each rank knows which of its tokens it sent, in order); the
+    certificate's name the residual row they add columns to, or -1 for a row new to it."""
+
+    index: torch.dtype
+    expert: torch.dtype
+    score: torch.dtype
+    num_experts: int
+    k: int
+
+    @staticmethod
+    def of(total: int, num_experts: int, k: int, dtype) -> RowLayout:
+        index = torch.int32 if total < 2**31 else torch.int64
+        expert = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+        return RowLayout(index, expert, dtype, num_experts, k)
+
+    def named(self, cols: int) -> int:
+        """Experts a row of ``cols`` columns names."""
+        return self.k if cols == self.num_experts else cols
+
+    def width(self, cols: int, keyed: bool = True) -> int:
+        """Bytes a row of ``cols`` columns takes, with or without its key."""
+        key = self.index.itemsize if keyed else 0
+        return key + self.named(cols) * self.expert.itemsize + cols * self.score.itemsize
+
+
+def pack_rows(
+    s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, keys: Tensor | None, cols: int, lay: RowLayout
+) -> tuple[Tensor, Tensor]:
+    """The rows that travel for tokens ``local``, (n, width) uint8 (`RowLayout`, led by ``keys``
+    (n,) where given), and the columns they carry (E, n) bool: the slots and the ``cols`` - K
+    best other experts under the prices."""
+    num_experts = s_ET.shape[0]
+    s = s_ET.index_select(1, local)
+    held = out_TK.index_select(0, local)
+    if cols < num_experts:
+        a = (s - p_E1).scatter_(0, held.T, float("-inf"))  # the slots aside: they come first, in order
+        idx = torch.cat([held, torch.topk(a, cols - held.shape[1], dim=0).indices.T], 1)
+        vals, named = s.T.gather(1, idx), idx
+    else:
+        idx = torch.arange(num_experts, device=s.device).expand(s.shape[1], -1)
+        vals, named = s.T, held
+    sent = torch.zeros_like(s, dtype=torch.bool).scatter_(0, idx.T, True)
+    parts = [] if keys is None else [keys[:, None].to(lay.index)]
+    parts += [named.to(lay.expert), vals.to(lay.score)]
+    return torch.cat([as_bytes(x) for x in parts], dim=1), sent
+
+
+def unpack_rows(rows: Tensor, lay: RowLayout, cols: int, keyed: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
+    """`pack_rows` back: the keys (n,) (None without), slots (n, K), scores (E, n), ``UNSENT`` where
+    a row carries no column."""
+    at, n_named = lay.index.itemsize if keyed else 0, lay.named(cols) * lay.expert.itemsize
+    keys = of_bytes(rows[:, :at], lay.index)[:, 0].long() if keyed else None
+    named = of_bytes(rows[:, at : at + n_named], lay.expert).long()
+    s = of_bytes(rows[:, at + n_named :], lay.score)
+    if cols < lay.num_experts:
+        s = torch.full((rows.shape[0], lay.num_experts), UNSENT, dtype=lay.score).scatter_(1, named, s)
+    return keys, named[:, : lay.k], s.T.contiguous()
