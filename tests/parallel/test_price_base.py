@@ -35,8 +35,11 @@ def split(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(x.split(sizes))
 
 
-def solve_simulated(x, sizes, k, extras, prices=None):
-    out, p, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(len(sizes)), extras=extras, prices=prices)
+def solve_simulated(x, sizes, k, extras, prices=None, local_start=True):
+    red = ShardReduce(len(sizes))
+    out, p, stats = price_balanced_assignment(
+        split(x, sizes), k, red, extras=extras, prices=prices, local_start=local_start
+    )
     return torch.cat(out), p, stats
 
 
@@ -175,8 +178,8 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     x[::4] = x[0]
     tol = bound(x, 1)
     ref = float(assignment_score(x, balanced_assignment(x, 1)))
-    cold, prices, cold_stats = solve_simulated(x, sizes, 1, "best")
-    assert cold_stats.price_updates == price_base.PRICE_ITERS[0]  # cold starts run to their cap
+    cold, prices, cold_stats = solve_simulated(x, sizes, 1, "best", local_start=False)
+    assert cold_stats.price_updates == price_base.PRICE_ITERS[0]  # from zero prices they run to their cap
     warm, _, stats = solve_simulated(x, sizes, 1, "best", prices)
     assert stats.price_updates == 2 and stats.rounds < cold_stats.rounds // 2
     assert stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
@@ -216,9 +219,46 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
                                                      max_price_iters=1)  # fmt: skip
     assert without.price_updates == 1 and without.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
     assert torch.equal(same_order(torch.cat(wide)), same_order(torch.cat(out)))
-    cold, _, cold_stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), max_price_iters=1)
+    cold, _, cold_stats = price_balanced_assignment(
+        split(x, sizes), k, ShardReduce(8), max_price_iters=1, local_start=False
+    )
     assert cold_stats.price_updates == 1  # from zero prices: no pair rounds (their windows suit a warm start)
     assert torch.equal(same_order(torch.cat(cold)), same_order(torch.cat(out)))
+
+
+def test_a_cold_start_is_the_median_of_the_ranks_own_prices():
+    """Without a previous call's prices, every rank solves its own tokens alone and the group
+    starts from the per-expert median of those prices (float32, one gather of W x E): one rank
+    whose tokens all crowd onto expert 0 moves the mean of expert 0's price, not the median;
+    an empty rank sends NaN and is left out."""
+    sizes = [120, 0, 130, 110, 125]
+    x = make_scores(3, sum(sizes), 6, "gauss", torch.float64)
+    parts = split(x, sizes)
+    parts[2] = parts[2].clone()
+    parts[2][:, 0] += 5.0  # every token of rank 2 wants expert 0
+    red = ShardReduce(len(sizes))
+    got = price_base._local_start(parts, 1, red, "best", 1e-6, unit=1.0)
+    own = [price_balanced_assignment([p], 1, ShardReduce(1))[1] for p in parts if p.shape[0]]
+    stacked = torch.stack(own).to(torch.float32).to(torch.float64)
+    assert torch.equal(got, stacked.median(0).values)  # four rows: the lower middle one, exactly
+    assert (got - stacked.mean(0)).abs()[0] > 0.5  # the mean would follow rank 2
+    assert red.log == [("gather", len(sizes) * 6, len(sizes) * 6 * 4)]
+    empty = ShardReduce(2)
+    assert price_base._local_start([x[:0], x[:0]], 1, empty, "best", 1e-6, unit=1.0) is None
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_local_start_spares_the_cold_updates(k):
+    """On a trained router's look (every token's experts within a hair of each other) a cold
+    call from the ranks' own prices takes fewer rounds and receives fewer bytes (its gather
+    included) than from zero prices, and gives the single-process solver's assignment either way."""
+    sizes = [250 + 13 * i for i in range(8)]
+    _, x = flat_scores(10 + k, sum(sizes), 8)
+    out, _, local = price_balanced_assignment(split(x, sizes), k, ShardReduce(8))
+    zero, _, cold = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), local_start=False)
+    assert local.rounds < cold.rounds and local.bytes < cold.bytes, (local, cold)
+    want = same_order(balanced_assignment(x, k))
+    assert torch.equal(same_order(torch.cat(out)), want) and torch.equal(same_order(torch.cat(zero)), want)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -416,6 +456,12 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     start = sum(sizes[:me])
     assert torch.equal(p_got, p_one) and torch.equal(got, one[start : start + sizes[me]]), me
     assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me
+    # a cold call's local start: every rank's own solve, one gather of their prices (NaN from
+    # the empty rank) and the same median, so the same prices and assignment as the simulation
+    (got,), p_got, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group))
+    sim, p_sim, sim_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world))
+    assert ("gather", world * 8, world * 8 * 4) in stats.log and stats.rounds == sim_stats.rounds, stats
+    assert torch.equal(p_got, p_sim) and torch.equal(got, sim[me]), me
     bad = make_scores(seed, 10, 8, "gauss")
     if me == world - 1:
         bad[0, 0] = float("inf")
