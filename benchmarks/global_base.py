@@ -13,7 +13,8 @@ Scores: ``random`` (Gaussian with a fixed per-expert offset, a fresh draw per st
 ``--run DIR`` replays a `moe train` run instead: the scores every BASE layer of the model at
 each checkpoint (``--replay-steps``: which) routes on ``--steps`` consecutive batches of the
 run's data from that step on, W * T tokens each (its E and K are the run's).
-Cold: every step from zero prices; warm: each step from the previous step's prices (per layer).
+Cold: every step without previous prices (from the ranks' local start, `price_base`);
+warm: each step from the previous step's prices (per layer).
 
 With ``--check`` each objective is compared with the stacked single-process solve's, up to
 ``--check-max-gb`` of stacked scores (``equal``). Beyond, where that solve's copies would not

@@ -28,7 +28,8 @@ class GroupBalance:
 
     ``method="prices"`` (with the exact solver): `price_balanced_assignment`, the ranks agree
     through the experts' prices, a few counts and the rows at the margin (docs/parallel.md); the
-    prices of this layer's previous call are the start of the next. ``"gather"``, and always with
+    prices of this layer's previous call are the start of the next, and the first call starts
+    from the median of each rank's prices for its own tokens. ``"gather"``, and always with
     another solver (the sync-free approx one): the scores of every rank are gathered and every
     rank solves the whole problem with ``solver``. Its cost per call: each rank receives the
     group's (sum T, E) fp32 scores and solves over sum T tokens."""
