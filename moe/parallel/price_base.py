@@ -203,6 +203,8 @@ def price_balanced_assignment(
         local_start: without ``prices`` and on more than one rank, start from the per-expert
             median of every rank's prices for its own tokens alone (`_local_start`: one gather
             of W x E float32, and a solve of the local tokens); False: from zero prices.
+            ``prices`` given or not, ``local_start`` and ``max_price_iters`` must be the same on
+            every rank (`GroupBalance` keeps them so): they decide which collectives run.
 
     Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 in the scores'
     units (mean zero; zeros where every token's scores are all equal), or None when there was
@@ -228,7 +230,7 @@ def price_balanced_assignment(
         units_ok = 0 < unit < float("inf")
         start = prices.to(torch.float64) / unit if prices is not None and units_ok else None
         if prices is None and units_ok and local_start and red.world > 1:
-            start = _local_start(parts_TE, k, red, extras, eps, unit)
+            start = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)
         if max_price_iters is None:
             max_price_iters = PRICE_ITERS[start is not None]
         p, stats.price_updates, width, converged = jacobi_prices(
@@ -266,7 +268,9 @@ def price_balanced_assignment(
     return [o.clone() for o in out], p_out, _finish(stats, red, rounds0, values0, bytes0)
 
 
-def _local_start(parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float):
+def _local_start(
+    parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float, max_cycles: int | None = None
+):
     """Prices to start a call without a previous one from (E,) float64 in the normalised units,
     or None: every rank solves its own tokens alone, exactly (this solver on one rank: no
     collective), and one gather of their prices (W x E float32, NaN from a rank with nothing
@@ -284,12 +288,15 @@ def _local_start(parts_TE: list[Tensor], k: int, red: Reduction, extras: str, ep
         if scores.shape[0]:
             with warnings.catch_warnings():  # a start only: a capped local solve changes nothing
                 warnings.simplefilter("ignore", RuntimeWarning)
-                _, mine, _ = price_balanced_assignment([scores], k, ShardReduce(1), extras=extras, eps=eps)
+                _, mine, _ = price_balanced_assignment(
+                    [scores], k, ShardReduce(1), extras=extras, eps=eps, max_cycles=max_cycles
+                )
         if mine is None:
             mine = torch.full((num_experts,), float("nan"), dtype=torch.float64)
-        rows.append(mine.to(scores.device, torch.float32)[None])
+        # in the group's normalised units before float32: fp64 scores beyond its range stay finite
+        rows.append((mine / unit).to(scores.device, torch.float32)[None])
     agreed = torch.nanmedian(red.gather(rows, [1] * red.world).cpu().to(torch.float64), dim=0).values
-    return None if bool(agreed.isnan().any()) else agreed / unit
+    return agreed if bool(agreed.isfinite().all()) else None
 
 
 def _finish(stats, red, rounds0, values0, bytes0) -> PriceStats:

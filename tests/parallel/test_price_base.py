@@ -243,8 +243,19 @@ def test_a_cold_start_is_the_median_of_the_ranks_own_prices():
     assert torch.equal(got, stacked.median(0).values)  # four rows: the lower middle one, exactly
     assert (got - stacked.mean(0)).abs()[0] > 0.5  # the mean would follow rank 2
     assert red.log == [("gather", len(sizes) * 6, len(sizes) * 6 * 4)]
-    empty = ShardReduce(2)
-    assert price_base._local_start([x[:0], x[:0]], 1, empty, "best", 1e-6, unit=1.0) is None
+    nothing = [x[:0], x[:0]]  # no rank with tokens: no start (NaN rows only)
+    assert price_base._local_start(nothing, 1, ShardReduce(2), "best", 1e-6, unit=1.0) is None
+
+
+def test_a_local_start_holds_fp64_scores_beyond_float32():
+    """The ranks' prices travel as float32 in the normalised units, so fp64 scores of 1e40
+    give a finite start and the single-process solver's assignment."""
+    sizes = [110, 0, 90]
+    x = make_scores(5, sum(sizes), 8, "gauss", torch.float64) * 1e40
+    out, p, stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(3))
+    assert any(kind == "gather" and values == 3 * 8 for kind, values, _ in stats.log), stats
+    assert p is not None and bool(p.isfinite().all())
+    assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 2)))
 
 
 @pytest.mark.parametrize("k", [1, 2])
