@@ -276,8 +276,8 @@ def _local_start(
     collective), and one gather of their prices (W x E float32, NaN from a rank with nothing
     to solve) gives every rank the same per-expert median. On a trained
     router's replayed scores at W = 64 this start took a cold call from 47-53 rounds and 1.6-15%
-    of the gathered bytes to 14-22 rounds and under 1% in 11 of 12 calls (docs/benchmarks.md,
-    "A local start"; the twelfth 9.8%); the mean instead of
+    of the gathered bytes to 14-22 rounds and 0.42-0.97% (docs/benchmarks.md, "A local
+    start"); the mean instead of
     the median let one expert start far off in 3 of 12 calls, and nearly every token then failed
     the certificate; a local solve capped at 10 price updates ends at other optimal prices of
     its tokens, and one call of 6 took 24 rounds and 2.3%."""
