@@ -73,7 +73,7 @@ from torch import Tensor
 from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern, _sub_transposed
 from ..routing.exchange import _Graph, held_mask, violations
 from .price_prices import capacities, jacobi_prices, pair_bytes, pair_prices
-from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
+from .price_rows import SENT, UNSENT, RowLayout, margin_row_bytes, pack_rows, unpack_rows
 from .reduction import Reduction, ShardReduce
 
 __all__ = ["PriceStats", "price_balanced_assignment"]
@@ -236,7 +236,7 @@ def price_balanced_assignment(
         p, stats.price_updates, width, converged = jacobi_prices(
             s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
-        row = RowLayout.of(total, num_experts, k, dtype).width(min(num_experts, k + SENT), keyed=False)
+        row = margin_row_bytes(total, num_experts, k, dtype)
         if (
             start is not None
             and not converged
@@ -274,13 +274,9 @@ def _local_start(
     """Prices to start a call without a previous one from (E,) float64 in the normalised units,
     or None: every rank solves its own tokens alone, exactly (this solver on one rank: no
     collective), and one gather of their prices (W x E float32, NaN from a rank with nothing
-    to solve) gives every rank the same per-expert median. On a trained
-    router's replayed scores at W = 64 this start took a cold call from 47-53 rounds and 1.6-15%
-    of the gathered bytes to 14-22 rounds and 0.42-0.97% (docs/benchmarks.md, "A local
-    start"); the mean instead of
-    the median let one expert start far off in 3 of 12 calls, and nearly every token then failed
-    the certificate; a local solve capped at 10 price updates ends at other optimal prices of
-    its tokens, and one call of 6 took 24 rounds and 2.3%."""
+    to solve) gives every rank the same per-expert median. The median, not the mean: one rank
+    whose tokens crowd onto an expert would move that expert's start far off (docs/parallel.md,
+    "Local start")."""
     num_experts = parts_TE[0].shape[1]
     rows = []
     for scores in parts_TE:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SENT", "UNSENT", "RowLayout", "as_bytes", "of_bytes", "pack_rows", "unpack_rows"]
+__all__ = ["SENT", "UNSENT", "RowLayout", "as_bytes", "margin_row_bytes", "of_bytes", "pack_rows", "unpack_rows"]
 
 UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
 SENT = 3  # columns a margin row carries beyond its K slots: its best under the prices
@@ -90,3 +90,9 @@ def unpack_rows(rows: Tensor, lay: RowLayout, cols: int, keyed: bool = True) -> 
     if cols < lay.num_experts:
         s = torch.full((rows.shape[0], lay.num_experts), UNSENT, dtype=lay.score).scatter_(1, named, s)
     return keys, named[:, : lay.k], s.T.contiguous()
+
+
+def margin_row_bytes(total: int, num_experts: int, k: int, dtype) -> int:
+    """Bytes of one margin row (no key, its K slots and `SENT` more columns) in a group of
+    ``total`` tokens."""
+    return RowLayout.of(total, num_experts, k, dtype).width(min(num_experts, k + SENT), keyed=False)

@@ -9,7 +9,7 @@ a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 
 each), the margin's counts (E + W + 33 int64) and rows (every rank receives all of them: a
 share `margin_share` of the group's W T tokens, at least 2E, each with its K + `SENT` best
 experts as uint8 (int16 beyond 256 experts) and their fp32 scores, without a key:
-`RowLayout.width` bytes) and two certificate checks (2W int64 each). Rounds: 6 +
+`price_rows.margin_row_bytes`) and two certificate checks (2W int64 each). Rounds: 6 +
 `PRICE_UPDATES`, 10-17 measured on random scores at W = 64.
 
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
@@ -28,7 +28,7 @@ import torch
 from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE
 from ..parallel.price_prices import PAIR_ROUNDS, pair_bytes
-from ..parallel.price_rows import SENT, RowLayout
+from ..parallel.price_rows import margin_row_bytes
 from .layout import Layout
 
 __all__ = [
@@ -60,7 +60,7 @@ def margin_share(experts: int) -> float:
 
 def _row(cfg: LlamaConfig, lay: Layout, tokens: int) -> int:
     E, K = cfg.moe.num_experts, cfg.moe.top_k
-    return RowLayout.of(lay.ep * tokens, E, K, torch.float32).width(min(E, K + SENT), keyed=False)
+    return margin_row_bytes(lay.ep * tokens, E, K, torch.float32)
 
 
 def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
