@@ -32,12 +32,14 @@ class GroupBalance:
     from the median of each rank's prices for its own tokens. ``"gather"``, and always with
     another solver (the sync-free approx one): the scores of every rank are gathered and every
     rank solves the whole problem with ``solver``. Its cost per call: each rank receives the
-    group's (sum T, E) fp32 scores and solves over sum T tokens."""
+    group's (sum T, E) fp32 scores and solves over sum T tokens. ``round_bytes``: what a round
+    of collectives costs, in bytes (`price_balanced_assignment`; the router config's
+    ``base_round_bytes``), the same on every rank."""
 
-    def __init__(self, group, solver, method: str = "prices") -> None:
+    def __init__(self, group, solver, method: str = "prices", round_bytes: float = 0.0) -> None:
         if method not in METHODS:
             raise ValueError(f"global_base method must be one of {METHODS}, got {method!r}")
-        self.group, self.solver = group, solver
+        self.group, self.solver, self.round_bytes = group, solver, round_bytes
         self.method = method if solver is balanced_assignment else "gather"
         self.agreement = None  # the layer's `Agreement`, told when the exchange has run
         self.prices: Tensor | None = None  # (E,) the last call's, the next call's start
@@ -64,7 +66,7 @@ class GroupBalance:
             start = None
         kwargs = {key: options[key] for key in ("extras", "eps", "max_cycles") if key in options}
         (idx,), prices, self.stats = price_balanced_assignment(
-            [scores_TE], k, GroupReduce(self.group), prices=start, **kwargs
+            [scores_TE], k, GroupReduce(self.group), prices=start, round_bytes=self.round_bytes, **kwargs
         )
         if not rerun:
             self._start, self.prices = start, None if prices is None else prices.to(torch.float64).cpu()

@@ -21,7 +21,8 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    taken less than a fifth off the miss (stalled: a trained router's scores, where each
    further update buys little and costs a round). Where those (warm) updates stall or reach
    their cap, 3 pair rounds follow (`price_prices.pair_prices`) when their E x E x 4
-   int32 counts cost less than the eighth of the tokens the margin would otherwise hold: the
+   int32 counts (and their 4 rounds, at ``round_bytes`` each where given) cost less than the
+   eighth of the tokens the margin would otherwise hold: the
    tokens counted by the pair of experts they stand between and their margin, from which
    every rank moves the prices alike; one max of the prices and the last move then agrees
    on their bits;
@@ -71,8 +72,9 @@ import torch
 from torch import Tensor
 
 from ..routing.balanced import _Capacities, _check, _check_extras, _fill, _jitter_pattern, _sub_transposed
+from ..routing.config import check_float
 from ..routing.exchange import _Graph, held_mask, violations
-from .price_prices import capacities, jacobi_prices, pair_bytes, pair_prices
+from .price_prices import capacities, jacobi_prices, pair_prices, pair_rounds_pay
 from .price_rows import SENT, UNSENT, RowLayout, margin_row_bytes, pack_rows, unpack_rows
 from .reduction import Reduction, ShardReduce
 
@@ -185,6 +187,7 @@ def price_balanced_assignment(
     max_price_iters: int | None = None,
     max_cycles: int | None = None,
     local_start: bool = True,
+    round_bytes: float = 0.0,
 ) -> tuple[list[Tensor], Tensor | None, PriceStats]:
     """The exact balanced assignment of the stacked problem, each shard keeping its rows.
 
@@ -203,8 +206,13 @@ def price_balanced_assignment(
         local_start: without ``prices`` and on more than one rank, start from the per-expert
             median of every rank's prices for its own tokens alone (`_local_start`: one gather
             of W x E float32, and a solve of the local tokens); False: from zero prices.
-            ``prices`` given or not, ``local_start`` and ``max_price_iters`` must be the same on
-            every rank (`GroupBalance` keeps them so): they decide which collectives run.
+        round_bytes: what one more round of collectives costs, as the bytes a rank receives in
+            the time of its latency (e.g. 50 us at 25 GB/s: 1.25e6); the pair rounds run only
+            where their bytes and rounds at this price cost less than the wide margin they
+            spare (`price_prices.pair_rounds_pay`). 0: bytes alone, the least traffic.
+            ``prices`` given or not, ``local_start``, ``max_price_iters`` and ``round_bytes``
+            must be the same on every rank (`GroupBalance` keeps them so): they decide which
+            collectives run.
 
     Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 in the scores'
     units (mean zero; zeros where every token's scores are all equal), or None when there was
@@ -213,6 +221,7 @@ def price_balanced_assignment(
     solver's bound of the optimum.
     """
     _check_extras(extras)
+    check_float("round_bytes", round_bytes, 0)
     stats = PriceStats()
     rounds0, values0, bytes0 = red.rounds, red.values, red.bytes
     sizes, big, half, dtype = _header(parts_TE, k, red)
@@ -241,7 +250,7 @@ def price_balanced_assignment(
             start is not None
             and not converged
             and max_price_iters > 0
-            and pair_bytes(num_experts) < CAPPED_SHARE * total * row
+            and pair_rounds_pay(num_experts, CAPPED_SHARE * total * row, round_bytes)
         ):
             # warm, stalled or capped: the pair rounds cost less than the wide margin they spare
             # (their windows suit a previous call's prices, a few 1e-3 off; the cold updates'

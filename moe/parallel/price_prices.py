@@ -127,6 +127,14 @@ def pair_bytes(num_experts: int) -> int:
     return PAIR_ROUNDS * (num_experts * num_experts * PAIR_BINS + num_experts) * 4
 
 
+def pair_rounds_pay(num_experts: int, spared_bytes: float, round_bytes: float = 0.0) -> bool:
+    """Whether the pair rounds cost less than the margin bytes they spare (``spared_bytes``):
+    their counts plus their `PAIR_ROUNDS` + 1 collectives at ``round_bytes`` each (a round's
+    latency as the bytes the link moves meanwhile; 0 weighs the bytes alone). The solver and
+    the planner decide by this one rule."""
+    return pair_bytes(num_experts) + (PAIR_ROUNDS + 1) * round_bytes < spared_bytes
+
+
 def pair_counts(s_ET: Tensor, p_E1: Tensor, k: int, window: float) -> Tensor:
     """(E * E * B + E,) int32: the tokens whose K-th expert under the prices is a, the next b,
     and their margin in bin j of [0, window), at ``(a * E + b) * B + j``; then every expert's

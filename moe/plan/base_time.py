@@ -17,8 +17,10 @@ all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, 
 own passes over its (T, E) scores (histograms, the pick) read them `PASSES` times from HBM.
 This model is of separated (random) scores by default. A trained router's scores
 (`STALLED`): the price updates stall, and the pair rounds follow where their E x E x 4 int32
-counts cost less than the eighth of the tokens the margin would otherwise hold (4 more
-rounds); docs/scale.md costs that case with the replay's measured updates and margin.
+counts (and their 4 more rounds, at the router config's ``base_round_bytes`` each) cost less
+than the eighth of the tokens the margin would otherwise hold, the solver's own rule
+(`price_prices.pair_rounds_pay`); docs/scale.md costs that case with the replay's measured
+updates and margin.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE
-from ..parallel.price_prices import PAIR_ROUNDS, pair_bytes
+from ..parallel.price_prices import PAIR_ROUNDS, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import margin_row_bytes
 from .layout import Layout
 
@@ -65,9 +67,10 @@ def _row(cfg: LlamaConfig, lay: Layout, tokens: int) -> int:
 
 def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
     """Whether a solve runs the pair rounds: the updates stall and they cost less than the
-    eighth of the tokens at the margin they spare (`price_base.price_balanced_assignment`)."""
-    E = cfg.moe.num_experts
-    return STALLED and pair_bytes(E) < CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
+    eighth of the tokens at the margin they spare, their rounds priced at the router config's
+    ``base_round_bytes`` (`price_base.price_balanced_assignment`)."""
+    spared = CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
+    return STALLED and pair_rounds_pay(cfg.moe.num_experts, spared, cfg.moe.router_config().base_round_bytes)
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:

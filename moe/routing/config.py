@@ -88,6 +88,10 @@ class RouterConfig:
     # assignment, for the best total) or "lowest" (experts 0 .. r-1: loads known from T alone,
     # which moe.parallel.parallelize_moe(static_splits=True) needs)
     base_extras: Literal["best", "lowest"] = "best"
+    # global BASE by prices (expert parallelism): what one more round of collectives costs, as
+    # the bytes a rank receives in the time of its latency (e.g. 50 us at 25 GB/s: 1.25e6); the
+    # solver's pair rounds run only where they cost less at this price. 0: bytes alone
+    base_round_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -119,3 +123,4 @@ class RouterConfig:
         check_int("base_max_iters", self.base_max_iters, 0, none_ok=True)
         check_choice("base_solver", self.base_solver, ("exact", "approx"))
         check_choice("base_extras", self.base_extras, ("best", "lowest"))
+        check_float("base_round_bytes", self.base_round_bytes, 0)

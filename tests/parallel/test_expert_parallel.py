@@ -155,12 +155,14 @@ def check_static_path_reads_nothing(mesh) -> None:
 
 def check_global_base(mesh, tokens: list[int]) -> None:
     """Global BASE: every expert gets exactly its share of the group's tokens; the result is the
-    single-process layer's on all the group's tokens."""
+    single-process layer's on all the group's tokens. The router config's ``base_round_bytes``
+    reaches the solver (it decides which collectives run, so the config check keeps it alike)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    for case in ("base", "base-k2"):
-        layer = build(case)
+    for case, round_bytes in (("base", 0.0), ("base-k2", 1.25e6)):
+        layer = build(case, router_options={"base_round_bytes": round_bytes})
         ref = copy.deepcopy(layer)
         parallelize_moe(layer, mesh, global_base=True)
+        assert layer.router.assign.round_bytes == round_bytes
         blocks = [tokens_of(case, r, tokens[r]) for r in range(world)]
         y = layer(blocks[rank])
         y_ref = ref(torch.cat(blocks))

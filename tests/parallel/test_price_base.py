@@ -204,21 +204,28 @@ def flat_scores(seed: int, num_tokens: int, e: int) -> tuple[torch.Tensor, torch
 def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     """Warm started and stopped after one update, far from converged: the pair rounds move the
     prices near enough that the margin holds a sliver of the tokens, not `CAPPED_SHARE`, and
-    the result is the single-process solver's. Without them (where they would cost more than
-    they spare, or from zero prices) the margin holds the eighth."""
+    the result is the single-process solver's. Without them (where their bytes and rounds,
+    at ``round_bytes`` a round, would cost more than they spare, or from zero prices) the
+    margin holds the eighth."""
     sizes = [250 + 13 * i for i in range(8)]
     before, x = flat_scores(k, sum(sizes), 8)
     _, prices, _ = price_balanced_assignment(split(before, sizes), k, ShardReduce(8))
-    assert price_prices.pair_bytes(8) < price_base.CAPPED_SHARE * sum(sizes) * 20  # they pay: the rule runs them
+    spared = price_base.CAPPED_SHARE * sum(sizes) * price_rows.margin_row_bytes(sum(sizes), 8, k, x.dtype)
+    assert price_prices.pair_bytes(8) < spared  # they pay: the rule runs them
     out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1)
     assert stats.price_updates == 1 + price_prices.PAIR_ROUNDS + 1  # and the max that agrees on them
     assert stats.margin_rows < price_base.CAPPED_SHARE * sum(sizes) / 4, stats
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
-    with mock.patch.object(price_base, "pair_bytes", lambda e: float("inf")):  # where they cost more than they spare
-        wide, _, without = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices,
-                                                     max_price_iters=1)  # fmt: skip
-    assert without.price_updates == 1 and without.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
-    assert torch.equal(same_order(torch.cat(wide)), same_order(torch.cat(out)))
+    # a round worth just under, then just over, what leaves the rounds and their counts even
+    even = (spared - price_prices.pair_bytes(8)) / (price_prices.PAIR_ROUNDS + 1)
+    for round_bytes, runs in ((0.99 * even, True), (1.01 * even, False)):
+        got, _, st = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1,
+                                               round_bytes=round_bytes)  # fmt: skip
+        assert (st.price_updates > 1) == runs, (round_bytes, st)
+        assert torch.equal(same_order(torch.cat(got)), same_order(torch.cat(out)))
+    assert st.margin_rows >= price_base.CAPPED_SHARE * sum(sizes) and st.rounds < stats.rounds
+    with pytest.raises(ValueError, match="round_bytes must be a finite number >= 0"):
+        price_balanced_assignment(split(x, sizes), k, ShardReduce(8), round_bytes=-1.0)
     cold, _, cold_stats = price_balanced_assignment(
         split(x, sizes), k, ShardReduce(8), max_price_iters=1, local_start=False
     )
@@ -440,6 +447,11 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
         full[start : start + sizes[me]] = got
         dist.all_reduce(full, group=group)  # each row written by its owner once
         assert torch.equal(same_order(full), same_order(balanced_assignment(x, k, extras=extras))), case
+    # the price of a round reaches the solver
+    priced = GroupBalance(group, balanced_assignment, round_bytes=3e6)
+    with mock.patch("moe.parallel.global_base.price_balanced_assignment", wraps=price_balanced_assignment) as solve:
+        assert torch.equal(priced(mine, k, extras=extras), prices(mine, k, extras=extras))
+    assert [c.kwargs["round_bytes"] for c in solve.call_args_list] == [3e6, 0.0]
     # a far start, no update, rows of their slots alone: the certificate's rounds gather new
     # rows (fixed tokens that fail) from several ranks and send rows again (short of a column,
     # and every row whole at the last check), each by its key
@@ -459,7 +471,7 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     sizes = [0 if j == 1 else 80 + 9 * j for j in range(world)]
     before, x = flat_scores(seed + 40, sum(sizes), 8)
     _, p0, _ = price_balanced_assignment([before], 2, ShardReduce(1))
-    with mock.patch.object(price_base, "pair_bytes", lambda e: 0):  # they run whatever they cost
+    with mock.patch.object(price_base, "pair_rounds_pay", lambda *a: True):  # they run whatever they cost
         (got,), p_got, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group),
                                                          prices=p0, max_price_iters=1)  # fmt: skip
         (one,), p_one, one_stats = price_balanced_assignment([x], 2, ShardReduce(1), prices=p0, max_price_iters=1)

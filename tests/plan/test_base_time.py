@@ -84,3 +84,28 @@ def test_share_of_the_step_at_the_large_layouts(case):
     name, gpu, lay, seqs = case
     t = _step(_base(name), lay, gpu, seqs)
     assert 0 < t.exposed_s["global_base"] < 0.03 * t.step_s  # docs/scale.md states the shares
+
+
+def test_a_round_priced_in_bytes_keeps_the_pair_rounds_off_a_small_group():
+    """llama2-moe-1.2t (ep = 8), a trained router's stalled updates (7 of them, the margin at
+    2.6% after the pair rounds): weighed by bytes alone the pair rounds run (their counts cost
+    less than the margin's eighth) and global BASE costs over 3% of the step. With the router
+    config's ``base_round_bytes`` at 50 us x 25 GB/s, the solver's own rule finds their four
+    rounds dearer than the bytes they spare: they do not run, and the share falls under 3%."""
+    name, gpu, lay, seqs = LARGE
+    shares = {}
+    for round_bytes in (0.0, 50e-6 * 25e9):
+        cfg = _base(name)
+        priced = dataclasses.replace(cfg.moe, router_options={"base_round_bytes": round_bytes})
+        cfg = dataclasses.replace(cfg, moe=priced)
+        with (
+            mock.patch.object(base_time, "STALLED", True),
+            mock.patch.object(base_time, "margin_share", lambda e: 0.026),
+            mock.patch.object(base_time, "PRICE_UPDATES", 7),
+        ):
+            runs = base_time.pair_rounds(cfg, lay, 4096)
+            t = _step(cfg, lay, gpu, seqs)
+        shares[round_bytes] = (runs, t.exposed_s["global_base"] / t.step_s)
+    (runs_free, share_free), (runs_priced, share_priced) = shares.values()
+    assert runs_free and not runs_priced
+    assert share_free > 0.03 > share_priced, shares

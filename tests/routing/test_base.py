@@ -74,6 +74,9 @@ def test_extra_tokens_follow_the_config(solver):
     assert make(experts=4, base_solver=solver)(x).counts.tolist() == [9, 9, 9, 10]
     with pytest.raises(ValueError, match=r"base_extras must be one of \('best', 'lowest'\), got 'first'"):
         make(base_extras="first")
+    for bad in (-1.0, float("inf"), "1e6"):  # global BASE's price of a round, in bytes
+        with pytest.raises(ValueError, match=r"base_round_bytes must be a finite number >= 0"):
+            make(base_round_bytes=bad)
 
 
 def test_bf16_input_routes_in_fp32():
