@@ -257,8 +257,7 @@ def _balance_globally(ff: MoEFeedForward, mesh, method: str = "prices") -> None:
     the one a single process makes over the whole batch. Under EP its size exchange is one of
     the dispatcher's status collectives; without EP `_GlobalBalance` carries failures."""
     layer, group = ff.moe, mesh.get_group()
-    round_bytes = layer.router.config.base_round_bytes
-    layer.router.assign = GroupBalance(group, solver=layer.router.assign, method=method, round_bytes=round_bytes)
+    layer.router.assign = GroupBalance.around(layer.router, group, method)
     if layer.parallel is not None:
         layer.router.assign.agreement = layer.parallel.agreement
         layer.parallel.agreement.global_group = group

@@ -220,10 +220,7 @@ def parallelize_moe(
         layer.dispatcher = dispatcher
         if global_base:
             method = "gather" if global_base == "gather" else "prices"
-            layer.router.assign = GroupBalance(
-                dispatcher.ep_group, solver=layer.router.assign, method=method,
-                round_bytes=layer.router.config.base_round_bytes,
-            )  # fmt: skip
+            layer.router.assign = GroupBalance.around(layer.router, dispatcher.ep_group, method)
             layer.router.assign.agreement = dispatcher.agreement
         elif static_splits and isinstance(layer.router, BaseRouter):
             layer.router.sync_free = True  # with the approx solver the static path reads nothing back

@@ -46,6 +46,12 @@ class GroupBalance:
         self._start: Tensor | None = None  # what the last forward started from (for a re-run)
         self.stats = None  # the last call's `PriceStats`
 
+    @classmethod
+    def around(cls, router, group, method: str = "prices") -> GroupBalance:
+        """A `GroupBalance` over ``group`` around ``router``'s own solve, at its config's price
+        of a round (``base_round_bytes``); the caller sets it as ``router.assign``."""
+        return cls(group, solver=router.assign, method=method, round_bytes=router.config.base_round_bytes)
+
     def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
         sizes = exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
         if self.agreement is not None:

@@ -69,8 +69,10 @@ def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
     """Whether a solve runs the pair rounds: the updates stall and they cost less than the
     eighth of the tokens at the margin they spare, their rounds priced at the router config's
     ``base_round_bytes`` (`price_base.price_balanced_assignment`)."""
+    if not STALLED:
+        return False
     spared = CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
-    return STALLED and pair_rounds_pay(cfg.moe.num_experts, spared, cfg.moe.router_config().base_round_bytes)
+    return pair_rounds_pay(cfg.moe.num_experts, spared, cfg.moe.router_config().base_round_bytes)
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
