@@ -45,7 +45,12 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    (`CAPPED_SHARE`). Each expert has its own band, which a token takes at the widest of
    its slots': where the fixed tokens overfill experts, their bands alone grow 4x (one more
    sum each), so a cluster of near-equal tokens on the wrong side of one boundary widens
-   that boundary, not every token's;
+   that boundary, not every token's. Where the fill finds no completion, or the cycles on the
+   gathered rows alone (no collective; the certificate's first round reuses them) leave a
+   row on a column it did not carry, every band grows 4x: such rows cannot fill some
+   experts on their own columns, the certificate's prices for those would fall far below
+   the picks' and nearly every fixed token would fail. A wider band sends only the tokens
+   it adds (the prices, and so a token's row, stay), one gather each;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
@@ -329,6 +334,13 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     lay = RowLayout.of(sum(sizes), num_experts, k, dtype)
     band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held
     edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
+    extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
+    # the rows gathered so far: a wider band sends only the tokens it adds (the prices, and so
+    # a token's row, stay), each gather a block in rank order after the ones before
+    s_res = torch.empty(num_experts, 0, dtype=lay.score)
+    had = [torch.zeros_like(m, dtype=torch.bool) for _, m in picks]
+    had_sizes = [0] * world
+    mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
     while True:  # the bands grow until the fixed tokens leave room the margin rows can fill
         last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
         near = [
@@ -353,47 +365,65 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         if not bool((room >= 0).all()):  # the fixed tokens overfill these experts: their bands grow
             band[room < 0] *= 4
             continue
-        sent_local = [nr.nonzero().flatten() for nr in near]
-        made = [
-            pack_rows(s, p1, out, lc, None, cols, lay)
-            for s, (out, _), lc in zip(s_parts, picks, sent_local, strict=True)
-        ]
-        rows = red.gather([r for r, _ in made], m_sizes).cpu()
-        _, _, s_res = unpack_rows(rows, lay, cols, keyed=False)
-        slots = torch.full((rows.shape[0], k), -1, dtype=torch.int64)
+        new_sizes = [m - h for m, h in zip(m_sizes, had_sizes, strict=True)]  # the bands only grow
+        if sum(new_sizes):
+            added = [(nr & ~h).nonzero().flatten() for nr, h in zip(near, had, strict=True)]
+            made = [
+                pack_rows(s, p1, out, lc, None, cols, lay)
+                for s, (out, _), lc in zip(s_parts, picks, added, strict=True)
+            ]
+            rows = red.gather([r for r, _ in made], new_sizes).cpu()
+            for rank, lc, (_, got), (lcs, at, gots) in zip(red.ranks, added, made, mine, strict=True):
+                first = s_res.shape[1] + sum(new_sizes[:rank])
+                lcs.append(lc)
+                at.append(torch.arange(first, first + lc.numel()))
+                gots.append(got)
+            s_res = torch.cat([s_res, unpack_rows(rows, lay, cols, keyed=False)[2]], 1)
+            had, had_sizes = near, m_sizes
+        slots = torch.full((s_res.shape[1], k), -1, dtype=torch.int64)
         try:
             _fill(s_res, slots, room, p.to(dtype).cpu())
-            break
-        except RuntimeError:  # no completion with these fixed tokens: a wider band
-            pass
-        if last:
-            raise AssertionError("price_balanced_assignment: the whole problem could not be filled")  # impossible
-        band *= 4
-    # which residual row each local token is (-1: fixed), and the global index of each
-    # residual row that a local shard sent (-1: another rank's, which this one never writes)
-    ids = torch.full((rows.shape[0],), -1, dtype=torch.int64)
-    at_row = [torch.full(nr.shape, -1, dtype=torch.int64, device=nr.device) for nr in near]
-    for rank, lc, ar, st in zip(red.ranks, sent_local, at_row, starts, strict=True):
-        first = sum(m_sizes[:rank])
-        ar[lc] = torch.arange(first, first + lc.numel(), device=lc.device)
-        ids[first : first + lc.numel()] = lc.cpu() + st
-    stats.margin_rows = ids.numel()
-    extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
-    fixed = [(~nr) for nr in near]
-    sent = []  # per shard: the columns its gathered rows carry
-    for s, nr, (_, got) in zip(s_parts, near, made, strict=True):
-        sent.append(_Sent(s.shape[1], num_experts, s.device))
-        sent[-1].set(nr.nonzero().flatten(), got)
-    outs = [out.clone() for out, _ in picks]
-    applied, ok = 0, False
-    start = p.cpu().numpy().astype(s_res.numpy().dtype)
-    for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
-        graph = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
+        except RuntimeError as err:  # no completion with these fixed tokens: a wider band
+            if last:  # impossible
+                raise AssertionError("price_balanced_assignment: the whole problem could not be filled") from err
+            band *= 4
+            continue
+        # the cycles on the gathered rows alone (no collective); the certificate's first round
+        # reuses them. Where a row still holds a column it did not carry, the rows cannot fill
+        # some experts on their own columns: the certificate's prices for those would fall far
+        # below the picks' and most fixed tokens would fail (docs/benchmarks.md, "The
+        # far-expert failure, traced"). A wider band brings the rows that can.
         # the search starts from the prices the fixed tokens were picked under, so the
         # certificate's prices rise from them only where a margin row's move needs it and few
         # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
         # thousand did)
-        done, n, dist = graph.cancel(budget - applied, start)
+        start = p.cpu().numpy().astype(s_res.numpy().dtype)
+        alone = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
+        cancelled = alone.cancel(budget, start)
+        if last or not _holds_unsent(s_res, torch.from_numpy(alone.out)):
+            break
+        band *= 4
+    # which residual row each local token is (-1: fixed), and the global index of each
+    # residual row that a local shard sent (-1: another rank's, which this one never writes)
+    ids = torch.full((s_res.shape[1],), -1, dtype=torch.int64)
+    at_row = [torch.full(nr.shape, -1, dtype=torch.int64, device=nr.device) for nr in near]
+    sent = []  # per shard: the columns its gathered rows carry
+    for s, ar, st, (lcs, at, gots) in zip(s_parts, at_row, starts, mine, strict=True):
+        lc, at = torch.cat(lcs), torch.cat(at)
+        ar[lc] = at.to(lc.device)
+        ids[at] = lc.cpu() + st
+        sent.append(_Sent(s.shape[1], num_experts, s.device))
+        sent[-1].set(lc, torch.cat(gots, 1))
+    stats.margin_rows = ids.numel()
+    fixed = [(~nr) for nr in near]
+    outs = [out.clone() for out, _ in picks]
+    applied, ok = 0, False
+    graph = alone
+    for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
+        if check:
+            graph = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
+            cancelled = graph.cancel(budget - applied, start)
+        done, n, dist = cancelled
         applied, start = applied + n, dist
         slots = torch.from_numpy(graph.out)
         stats.cycles, stats.checks = applied, check + 1
@@ -453,6 +483,12 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     _write(outs, ids, slots, starts, sizes, red)
     shift = prices - prices.mean()
     return outs, shift, ok
+
+
+def _holds_unsent(s_res: Tensor, slots_MK: Tensor) -> bool:
+    """Whether a gathered row holds a column it did not carry (``UNSENT``)."""
+    held = slots_MK.clamp(min=0)
+    return bool(((s_res.gather(0, held.T) == UNSENT) & (slots_MK.T >= 0)).any())
 
 
 class _Sent:

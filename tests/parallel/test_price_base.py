@@ -297,6 +297,40 @@ def test_an_overfull_expert_widens_its_own_band(k):
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
 
 
+def dear_expert(k: int):
+    """Expert 0 of 64 made dearer by 2% of the scores' range than the optimum's prices, over
+    8 ranks of 256 tokens: few tokens pick it, and the margin rows, which carry their K + 3
+    best experts under these prices, rarely carry it."""
+    sizes = [256] * 8
+    x = make_scores(1, sum(sizes), 64, "gauss")
+    _, prices, _ = price_balanced_assignment(split(x, sizes), k, ShardReduce(8))
+    far = prices.clone()
+    far[0] += 0.02 * float((x.amax(1) - x.amin(1)).amax())
+    return x, sizes, far
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_rows_that_cannot_fill_an_expert_on_their_own_columns_widen_the_band(k):
+    """The room the fixed tokens leave on expert 0 only rows at a column they did not carry
+    can fill. Left to the certificate, the cycles' price for it would fall far below the
+    picks' and nearly every fixed token would fail (about 2000 of 2048 rows); the cycles on
+    the gathered rows see it first and the band grows until rows that carry it come."""
+    x, sizes, far = dear_expert(k)
+    out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=far, max_price_iters=0)
+    assert stats.margin_rows < sum(sizes) / 2, stats.margin_rows
+    assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
+
+
+def test_a_wider_band_sends_only_the_rows_it_adds():
+    """Each margin row travels once while the band grows (the prices, and so its row, stay):
+    with the certificate passing at once, the rows gathered are the margin rows."""
+    x, sizes, far = dear_expert(1)
+    _, _, stats = price_balanced_assignment(split(x, sizes), 1, ShardReduce(8), prices=far, max_price_iters=0)
+    gathers = [size for kind, _, size in stats.log if kind == "gather"]
+    assert stats.checks == 1 and len(gathers) > 1
+    assert sum(gathers) == stats.margin_rows * price_rows.margin_row_bytes(sum(sizes), 64, 1, x.dtype)
+
+
 def test_prices_too_far_for_the_margins_bins():
     """Prices so far apart that fewer than 2E tokens have a margin under the last bin's edge
     (about 2e3 of the normalised scores): the band goes past 4, the whole problem."""
