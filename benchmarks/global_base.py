@@ -38,7 +38,6 @@ import time
 import torch
 
 from moe.parallel.price_base import GAP_BINS, price_balanced_assignment
-from moe.parallel.price_prices import BINS
 from moe.parallel.reduction import ShardReduce
 from moe.routing.balanced import assignment_bound, assignment_score, balanced_assignment
 
@@ -148,19 +147,31 @@ def _record_assign(model) -> list[torch.Tensor]:
 
 
 def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> dict[str, int]:
-    """Where one solve's bytes went, from its collectives (kind, values received, bytes): the
-    header, the price updates (the histograms' sums), the margin's counts and rows, the
-    certificate's counts and rows."""
-    out = dict.fromkeys(("header", "prices", "margin_counts", "margin_rows", "check_counts", "check_rows"), 0)
+    """Where one solve's bytes went, from its collectives (kind, values received, bytes) in the
+    order they ran: the header (its maxima), the gather of the local start (cold calls), the
+    prices (the updates' sums, the pair rounds' counts and their agreeing max), the margin's
+    counts and rows (from its first count of E + W + 33 values, every band's), the
+    certificate's counts and rows (from its first count of 2W values; where 2W = E + W + 33 its
+    counts read as the margin's)."""
+    out = dict.fromkeys(("header", "start", "prices", "margin_counts", "margin_rows", "check_counts", "check_rows"), 0)
+    margin_count = experts + world + GAP_BINS + 1
+    phase = "header"
     for kind, values, size in log:
-        if kind == "max":
-            out["header"] += size
-        elif kind == "sum" and values == experts * (BINS + 2):
-            out["prices"] += size
-        elif kind == "sum":
-            out["margin_counts" if values == experts + world + GAP_BINS + 1 else "check_counts"] += size
+        if phase == "header" and kind != "max":
+            phase = "start"
+        if phase == "start":
+            phase = "prices"
+            if kind == "gather":
+                out["start"] += size
+                continue
+        if phase == "prices" and kind == "sum" and values == margin_count:
+            phase = "margin"
+        elif phase == "margin" and kind == "sum" and values == 2 * world != margin_count:
+            phase = "check"
+        if phase in ("header", "prices"):
+            out[phase] += size
         else:
-            out["check_rows" if out["margin_rows"] or out["check_counts"] else "margin_rows"] += size
+            out[f"{phase}_{'rows' if kind == 'gather' else 'counts'}"] += size
     return out
 
 

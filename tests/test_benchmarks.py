@@ -163,6 +163,23 @@ def test_global_base_benchmark_rows_on_random_and_training_scores():
     assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))
 
 
+def test_global_base_bytes_by_part_follow_the_solve_phases():
+    """A cold solve's collectives in order (W = 4, E = 8: the margin counts 8 + 4 + 33 values,
+    the certificate's 8): the header's maxima, the start's gather, the price sums and the pair
+    rounds' max, two margin counts (a band grown) with a gather each, two certificate rounds."""
+    from benchmarks.global_base import bytes_by_part
+
+    log = [("max", 44, 1), ("max", 1, 2), ("gather", 32, 4), ("sum", 144, 8), ("sum", 256, 16), ("max", 9, 32)]
+    log += [("sum", 45, 64), ("gather", 300, 128), ("sum", 45, 256), ("gather", 100, 512)]
+    log += [("sum", 8, 1024), ("gather", 20, 2048), ("sum", 8, 4096)]
+    parts = bytes_by_part(log, world=4, experts=8)
+    assert parts == dict(
+        header=3, start=4, prices=56, margin_counts=320, margin_rows=640, check_counts=5120, check_rows=2048
+    )
+    warm = bytes_by_part([("max", 44, 1), ("sum", 144, 8), ("sum", 45, 64), ("gather", 300, 128)], 4, 8)
+    assert warm["start"] == 0 and warm["prices"] == 8 and warm["margin_rows"] == 128
+
+
 def test_global_base_benchmark_checks_up_to_its_limit_and_certifies_beyond():
     from benchmarks.global_base import markdown, run, summary, verify
     from moe.parallel.price_base import price_balanced_assignment
