@@ -48,9 +48,11 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    that boundary, not every token's. Where the fill finds no completion, or the cycles on the
    gathered rows alone (no collective; the certificate's first round reuses them) leave a
    row on a column it did not carry, every band grows 4x: such rows cannot fill some
-   experts on their own columns, the certificate's prices for those would fall far below
-   the picks' and nearly every fixed token would fail. A wider band sends only the tokens
-   it adds (the prices, and so a token's row, stay), one gather each;
+   experts on their own columns, the certificate's prices for those fall far below the
+   picks' and many fixed tokens fail. The latter only while more fixed tokens would fail
+   against those prices than a 4x band would add (one sum of 2 values), else the
+   certificate takes the failing ones. A wider band sends only the tokens it adds (the
+   prices, and so a token's row, stay), one gather each;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
@@ -392,7 +394,8 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         # reuses them. Where a row still holds a column it did not carry, the rows cannot fill
         # some experts on their own columns: the certificate's prices for those would fall far
         # below the picks' and most fixed tokens would fail (docs/benchmarks.md, "The
-        # far-expert failure, traced"). A wider band brings the rows that can.
+        # far-expert failure, traced"). A wider band brings the rows that can, where it sends
+        # fewer than the fixed tokens that would fail.
         # the search starts from the prices the fixed tokens were picked under, so the
         # certificate's prices rise from them only where a margin row's move needs it and few
         # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
@@ -400,7 +403,11 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         start = p.cpu().numpy().astype(s_res.numpy().dtype)
         alone = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
         cancelled = alone.cancel(budget, start)
-        if last or not _holds_unsent(s_res, torch.from_numpy(alone.out)):
+        if (
+            last
+            or not _holds_unsent(s_res, torch.from_numpy(alone.out))
+            or _fails_fewer(s_parts, picks, near, band * 4, torch.from_numpy(cancelled[2]).to(dtype), red, delta)
+        ):
             break
         band *= 4
     # which residual row each local token is (-1: fixed), and the global index of each
@@ -483,6 +490,19 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     _write(outs, ids, slots, starts, sizes, red)
     shift = prices - prices.mean()
     return outs, shift, ok
+
+
+def _fails_fewer(s_parts, picks, near, wider: Tensor, q_E: Tensor, red, delta: float) -> bool:
+    """Whether fewer fixed tokens fail against the prices ``q`` than a band of ``wider``
+    would add to the margin (one sum of 2 values): the cheaper of the two to send."""
+    counts = []
+    for s, (out, m), nr in zip(s_parts, picks, near, strict=True):
+        local = (~nr).nonzero().flatten()
+        fails = violations(s.index_select(1, local), q_E.to(s.device), out.index_select(0, local), delta).numel()
+        adds = int((m < wider.to(m.device, m.dtype)[out].amax(1)).sum()) - int(nr.sum())
+        counts.append(torch.tensor([fails, adds], dtype=torch.int64, device=s.device))
+    fails, adds = red.sum(counts).tolist()
+    return fails <= adds
 
 
 def _holds_unsent(s_res: Tensor, slots_MK: Tensor) -> bool:

@@ -321,6 +321,26 @@ def test_rows_that_cannot_fill_an_expert_on_their_own_columns_widen_the_band(k):
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
 
 
+def test_fewer_failing_fixed_tokens_than_a_wider_band_adds_go_to_the_certificate():
+    """Expert 0 of 8 dearer by a fifth of the range, K = 2, no price updates: rows sit on its
+    column without carrying it, but fewer fixed tokens fail against the cycles' prices than a
+    4x band would add, so those travel instead of the band growing (which takes more bytes)."""
+    sizes = [250 + 13 * i for i in range(8)]
+    x = make_scores(2, sum(sizes), 8, "gauss")
+    _, prices, _ = price_balanced_assignment(split(x, sizes), 2, ShardReduce(8))
+    far = prices.clone()
+    far[0] += 0.2 * float((x.amax(1) - x.amin(1)).amax())
+
+    def solve():
+        return price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), prices=far, max_price_iters=0)
+
+    out, _, stats = solve()
+    with mock.patch.object(price_base, "_fails_fewer", lambda *a: False):  # the band always grows
+        _, _, grown = solve()
+    assert stats.bytes < 0.9 * grown.bytes, (stats, grown)
+    assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 2)))
+
+
 def test_a_wider_band_sends_only_the_rows_it_adds():
     """Each margin row travels once while the band grows (the prices, and so its row, stay):
     with the certificate passing at once, the rows gathered are the margin rows."""
