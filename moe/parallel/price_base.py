@@ -401,7 +401,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
         # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
         # thousand did)
         start = p.cpu().numpy().astype(s_res.numpy().dtype)
-        alone = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
+        alone = _graph(s_res, slots, delta, extra)
         cancelled = alone.cancel(budget, start)
         if (
             last
@@ -428,7 +428,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     graph = alone
     for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
         if check:
-            graph = _Graph(s_res.numpy(), slots.numpy().copy(), delta, None if extra is None else extra.copy())
+            graph = _graph(s_res, slots, delta, extra)
             cancelled = graph.cancel(budget - applied, start)
         done, n, dist = cancelled
         applied, start = applied + n, dist
@@ -490,6 +490,12 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     _write(outs, ids, slots, starts, sizes, red)
     shift = prices - prices.mean()
     return outs, shift, ok
+
+
+def _graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
+    """The exchange-cycle graph of the gathered rows, on copies of their slots and of the
+    movable extra slots (the search writes both)."""
+    return _Graph(s_res.numpy(), slots_MK.numpy().copy(), delta, None if extra is None else extra.copy())
 
 
 def _fails_fewer(s_parts, picks, near, wider: Tensor, q_E: Tensor, red, delta: float) -> bool:
