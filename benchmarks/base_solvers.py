@@ -3,6 +3,7 @@ solver's thread count on a quiet and on a busy machine. CPU.
 
     python -m benchmarks.base_solvers --fairseq-cpp PATH/balanced_assignment.cpp
     python -m benchmarks.base_solvers --threads            # 1 thread, 2 threads, a busy core
+    python -m benchmarks.base_solvers --small              # the numpy path of small problems
 
 fairseq's `fairseq/clib/libbase/balanced_assignment.cpp` is built from a copy outside this
 repository (torch.utils.cpp_extension, into --build-dir) and imported only here. It solves top-1
@@ -20,12 +21,14 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from benchmarks.common import once, run_meta, timed_turns
 from benchmarks.routing import scores_for
 from moe.routing import assignment_score, balanced_assignment
+from moe.routing.balanced import exact as exact_module
 from moe.routing.balanced.threads import adaptive_threads
 
 CASES = [(1024, 8), (4096, 64), (16384, 64), (16384, 256), (65536, 64)]
@@ -114,19 +117,67 @@ def thread_table(repeats: int, t: int = 4096, e: int = 64) -> list[str]:
     return lines
 
 
+SMALL_CASES = [(512, 8), (1024, 8), (2048, 4), (256, 32), (2048, 8), (1024, 16), (4096, 8), (1024, 32), (512, 64)]
+
+
+def on_torch_ops(s: torch.Tensor) -> torch.Tensor:
+    """Our solve with small K = 1 problems on the torch ops too, not on the numpy path."""
+    with mock.patch.object(exact_module, "SMALL", 0):
+        return balanced_assignment(s)
+
+
+def small_table(repeats: int, seeds: int = 12) -> list[str]:
+    """The numpy path of small K = 1 problems (`moe.routing.balanced.small`) against the same
+    solve on the torch ops, at sizes on both sides of its limit: per size, `seeds` score draws
+    (Gaussian, every other one skewed: an eighth of the experts +2), the two taking turns;
+    per draw the ratio of the medians, then the median and the range of those ratios."""
+    lines = [
+        f"numpy path / torch path, {seeds} draws per size, median of {repeats} solves each (T*E <= "
+        f"{exact_module.SMALL} takes the numpy path by default)",
+        "",
+        "| T x E | T*E | numpy ms (median of draws) | torch ms | numpy / torch: median (min-max) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for t, e in SMALL_CASES:
+        ratios, ours, theirs = [], [], []
+        for seed in range(seeds):
+            g = torch.Generator().manual_seed(seed)
+            s = torch.randn(t, e, generator=g)
+            if seed % 2:
+                s[:, : max(1, e // 8)] += 2.0
+            with mock.patch.object(exact_module, "SMALL", t * e):
+                fns = {"numpy": lambda s=s: balanced_assignment(s), "torch": lambda s=s: on_torch_ops(s)}
+                times = timed_turns(fns, repeats, warmup=WARMUP)
+                a, b = assignment_score(s, fns["numpy"]()), assignment_score(s, fns["torch"]())
+            assert abs(float(a) - float(b)) <= 1e-5 * t, "the two paths' totals differ beyond the tolerance"
+            med = {name: statistics.median(v) for name, v in times.items()}
+            ours.append(med["numpy"])
+            theirs.append(med["torch"])
+            ratios.append(med["numpy"] / med["torch"])
+        lines.append(
+            f"| {t} x {e} | {t * e} | {statistics.median(ours) * 1e3:.2f} | {statistics.median(theirs) * 1e3:.2f} | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
+        print(lines[-1], file=sys.stderr, flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fairseq-cpp", type=Path, help="fairseq's balanced_assignment.cpp (a copy outside the repo)")
     ap.add_argument("--build-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fairseq_libbase")
     ap.add_argument("--threads", action="store_true", help="the thread-count table instead")
+    ap.add_argument("--small", action="store_true", help="the numpy path of small problems against the torch ops")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args(argv)
     meta = run_meta("benchmarks.base_solvers", argv)
     print(f"{meta['command']} | {meta['machine']} | torch {meta['torch']} | {meta['date']} | load {os.getloadavg()}")
     if args.threads:
         lines = thread_table(args.repeats)
+    elif args.small:
+        lines = small_table(args.repeats)
     elif args.fairseq_cpp is None:
-        ap.error("--fairseq-cpp PATH is needed (or --threads)")
+        ap.error("--fairseq-cpp PATH is needed (or --threads, --small)")
     else:
         lines = vs_fairseq(load_fairseq(args.fairseq_cpp, args.build_dir), args.repeats)
     print("\n".join(lines))

@@ -150,6 +150,21 @@ def test_base_solvers_reads_fairseqs_answer_back_per_token():
     assert idx.shape == (12, 1) and idx[order[:4], 0].tolist() == [0] * 4 and idx[order[8:], 0].tolist() == [2] * 4
 
 
+
+def test_base_solvers_small_table_times_both_paths(monkeypatch):
+    from benchmarks import base_solvers
+    from moe.routing.balanced import exact
+
+    taken = []
+    real = exact._host_solve
+    monkeypatch.setattr(exact, "_host_solve", lambda *a: taken.append(1) or real(*a))
+    monkeypatch.setattr(base_solvers, "SMALL_CASES", [(64, 4), (8192, 4)])  # within and beyond the limit
+    monkeypatch.setattr(base_solvers, "WARMUP", 1)
+    lines = base_solvers.small_table(repeats=2, seeds=2)
+    assert [line.split("|")[1].strip() for line in lines[4:]] == ["64 x 4", "8192 x 4"]
+    # per draw: a warm-up, 2 timed solves and the check of the totals take the numpy path
+    assert len(taken) == 2 * 2 * (1 + 2 + 1)
+
 def test_global_base_benchmark_rows_on_random_and_training_scores():
     from benchmarks.global_base import markdown, run, summary
 

@@ -1,5 +1,7 @@
 """Properties of the exact-balance assignment, against scipy's exact solvers."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -27,9 +29,21 @@ from moe.routing.balanced import (
     _Pairs,
     _Work,
 )
+from moe.routing.balanced import exact as exact_module
+from moe.routing.balanced.small import _top2_host
 from moe.routing.exchange import cancel_cycles
 
 KINDS = ("gauss", "int", "one_expert", "huge", "tiny", "equal")
+
+
+def on_torch_ops(scores: torch.Tensor, k: int = 1, **options) -> torch.Tensor:
+    """`balanced_assignment` with every problem on its torch ops: small K = 1 CPU problems take
+    the numpy path (`moe.routing.balanced.small`) otherwise, so both paths meet each property."""
+    with mock.patch.object(exact_module, "SMALL", 0):
+        return balanced_assignment(scores, k, **options)
+
+
+EXACT = [balanced_assignment, on_torch_ops]
 
 
 def make_scores(seed: int, t: int, e: int, kind: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -142,12 +156,13 @@ def tolerance(scores: torch.Tensor, k: int) -> float:
     return (2 * scores.shape[0] * k + scores.shape[1]) * 1e-6 * rng + 1e-9 * (1 + float(scores.abs().sum()))
 
 
+@pytest.mark.parametrize("solve", EXACT)
 @pytest.mark.parametrize("extras", ["best", "lowest"])
 @given(problem=problems())
-def test_balanced_feasible_and_optimal(extras, problem):
+def test_balanced_feasible_and_optimal(solve, extras, problem):
     scores, k = problem
     t, e = scores.shape
-    idx = balanced_assignment(scores, k, extras=extras)
+    idx = solve(scores, k, extras=extras)
     check_feasible(idx, t, e, k, extras)
     opt = optimum(scores, k, extras)
     got = float(assignment_score(scores, idx))
@@ -202,14 +217,15 @@ def test_assignment_bound_refuses_bad_input(args, kwargs, match):
         assignment_bound(*args, **kwargs)
 
 
+@pytest.mark.parametrize("solve", EXACT)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 24), st.integers(1, 8), st.sampled_from(KINDS), st.floats(0.1, 100.0))
 @example(seed=382, t=21, e=8, kind="int", scale=1.0)  # K = 7 of 8: the fill's exchanges move complete tokens
-def test_objective_invariances(seed, t, e, kind, scale):
+def test_objective_invariances(solve, seed, t, e, kind, scale):
     # under extras="best" a per-expert constant changes which experts the extra slots suit: the
     # loads are fixed here so that the objective moves by exactly that constant times them
     scores = make_scores(seed, t, e, kind)
     k = 1 + seed % e
-    base = float(assignment_score(scores, balanced_assignment(scores, k, extras="lowest")))
+    base = float(assignment_score(scores, solve(scores, k, extras="lowest")))
     g = torch.Generator().manual_seed(seed + 1)
     tok_c = torch.randn(t, 1, generator=g, dtype=torch.float64) * 5
     exp_c = torch.randn(1, e, generator=g, dtype=torch.float64) * 5
@@ -221,21 +237,22 @@ def test_objective_invariances(seed, t, e, kind, scale):
         (scores[torch.randperm(t, generator=g)], base, 1.0),  # token permutation
     ]
     for moved, expected, factor in cases:
-        got = float(assignment_score(moved, balanced_assignment(moved, k, extras="lowest")))
+        got = float(assignment_score(moved, solve(moved, k, extras="lowest")))
         # both solves are within the stated bound of their optimum, each on its own input
         assert abs(got - expected) <= tolerance(moved, k) + factor * tolerance(scores, k)
 
 
+@pytest.mark.parametrize("solve", EXACT)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 16), st.integers(2, 6))
-def test_matches_reference_exactly_on_continuous_scores(seed, t, e):
+def test_matches_reference_exactly_on_continuous_scores(solve, seed, t, e):
     # continuous scores have a unique optimum almost surely: the indices must agree, not just the total
     scores = make_scores(seed, t, e, "gauss")
     k = 1 + seed % (e - 1)
-    fast, ref = balanced_assignment(scores, k), balanced_assignment_ref(scores, k)
+    fast, ref = solve(scores, k), balanced_assignment_ref(scores, k)
     assert torch.equal(fast.sort(dim=1).values, ref.sort(dim=1).values)
 
 
-@pytest.mark.parametrize("solver", [balanced_assignment, balanced_assignment_approx])
+@pytest.mark.parametrize("solver", [*EXACT, balanced_assignment_approx])
 @given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.integers(1, 6))
 def test_balanced_strict_argmax_is_kept(solver, seed, e, per_expert):
     g = torch.Generator().manual_seed(seed)
@@ -258,12 +275,13 @@ def test_extra_slots_go_to_the_experts_that_score_best():
         assert float(assignment_score(scores, lowest)) == 2.0  # tokens 0 and 1 keep experts 3 and 4
 
 
+@pytest.mark.parametrize("solve", EXACT)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(2, 9), st.sampled_from(KINDS))
-def test_best_extras_never_score_below_the_fixed_rule(seed, t, e, kind):
+def test_best_extras_never_score_below_the_fixed_rule(solve, seed, t, e, kind):
     scores = make_scores(seed, t, e, kind)
     k = 1 + seed % e
-    best = balanced_assignment(scores, k)
-    lowest = balanced_assignment(scores, k, extras="lowest")
+    best = solve(scores, k)
+    lowest = solve(scores, k, extras="lowest")
     check_feasible(best, t, e, k, "best")
     check_feasible(lowest, t, e, k, "lowest")
     gain = float(assignment_score(scores, best)) - float(assignment_score(scores, lowest))
@@ -324,27 +342,30 @@ def test_capacities_never_exceed_the_tokens():
     assert expert_capacities(np.int64(10), 4).tolist() == [3, 3, 2, 2]  # numpy ints are ints
 
 
-def test_fairseq_tie_example_is_optimal():
+@pytest.mark.parametrize("solve", EXACT)
+def test_fairseq_tie_example_is_optimal(solve):
     scores = torch.tensor([[2.0, 0, 2], [0, 1, 0], [1, 2, 2]])
-    assert float(assignment_score(scores, balanced_assignment(scores))) == 5.0
+    assert float(assignment_score(scores, solve(scores))) == 5.0
     assert float(assignment_score(scores, balanced_assignment_ref(scores))) == 5.0
 
 
-def test_capacity_rule_and_awkward_sizes():
+@pytest.mark.parametrize("solve", EXACT)
+def test_capacity_rule_and_awkward_sizes(solve):
     assert expert_capacities(10, 4, 1).tolist() == [3, 3, 2, 2]
     assert expert_capacities(3, 8, 2).tolist() == [1, 1, 1, 1, 1, 1, 0, 0]
     g = torch.Generator().manual_seed(3)
     for t, e, k in [(1, 1, 1), (1, 5, 1), (1, 5, 5), (3, 8, 2), (7, 3, 3), (37, 5, 2), (2, 64, 1), (9, 6, 5)]:
-        idx = balanced_assignment(torch.randn(t, e, generator=g), k)
+        idx = solve(torch.randn(t, e, generator=g), k)
         check_feasible(idx, t, e, k)
-    assert balanced_assignment(torch.randn(0, 4), 2).shape == (0, 2)
+    assert solve(torch.randn(0, 4), 2).shape == (0, 2)
 
 
-def test_deterministic():
+@pytest.mark.parametrize("solve", EXACT)
+def test_deterministic(solve):
     scores = make_scores(7, 300, 6, "int", torch.float32)  # many exact ties
-    first = balanced_assignment(scores, 2)
-    assert torch.equal(first, balanced_assignment(scores.clone(), 2))
-    assert torch.equal(first, balanced_assignment(scores.T.contiguous().T, 2))
+    first = solve(scores, 2)
+    assert torch.equal(first, solve(scores.clone(), 2))
+    assert torch.equal(first, solve(scores.T.contiguous().T, 2))
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -405,48 +426,52 @@ def test_result_is_an_ordinary_tensor_autograd_can_save():
     assert torch.equal(scores.grad.count_nonzero(dim=1), torch.full((64,), 2))
 
 
-def test_huge_finite_scores():
+@pytest.mark.parametrize("solve", EXACT)
+def test_huge_finite_scores(solve):
     scores = torch.tensor([[3e38, -3e38], [-3e38, 3e38]])
-    assert balanced_assignment(scores).flatten().tolist() == [0, 1]
+    assert solve(scores).flatten().tolist() == [0, 1]
     big = torch.tensor([[-1e308, 1e308], [1e308, -1e308]], dtype=torch.float64)
     assert balanced_assignment_ref(big).flatten().tolist() == [1, 0]
-    assert balanced_assignment(big).flatten().tolist() == [1, 0]
+    assert solve(big).flatten().tolist() == [1, 0]
 
 
-def test_tiny_finite_scores():
+@pytest.mark.parametrize("solve", EXACT)
+def test_tiny_finite_scores(solve):
     # ranges whose reciprocal overflows the dtype, and subnormal ones
     for value, dtype in ((1e-39, torch.float32), (1e-44, torch.float32), (1e-310, torch.float64)):
         scores = torch.tensor([[value, 0.0], [0.0, value]], dtype=dtype)
-        assert balanced_assignment(scores).flatten().tolist() == [0, 1]
-        assert balanced_assignment(-scores).flatten().tolist() == [1, 0]
+        assert solve(scores).flatten().tolist() == [0, 1]
+        assert solve(-scores).flatten().tolist() == [1, 0]
 
 
-def test_float32_with_many_cycles_reaches_the_optimum():
+@pytest.mark.parametrize("solve", EXACT)
+def test_float32_with_many_cycles_reaches_the_optimum(solve):
     # no price updates: the exchange cycles do all the work, in float32
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(512, 16, generator=g)
     scores[:, :2] += 2.0
     for k in (1, 2):
-        idx = balanced_assignment(scores, k, max_iters=0)
+        idx = solve(scores, k, max_iters=0)
         check_feasible(idx, 512, 16, k)
         assert float(assignment_score(scores, idx)) == pytest.approx(optimum(scores, k), rel=1e-5)
 
 
-def test_tie_heavy_scores_at_scale_reach_the_optimum():
+@pytest.mark.parametrize("solve", EXACT)
+def test_tie_heavy_scores_at_scale_reach_the_optimum(solve):
     # integer scores in {0, 1, 2}: prices alone cannot split tied tokens
     g = torch.Generator().manual_seed(0)
     for t, k in ((2048, 1), (512, 2)):
         scores = torch.randint(0, 3, (t, 8), generator=g).double()
-        idx = balanced_assignment(scores, k)
+        idx = solve(scores, k)
         check_feasible(idx, t, 8, k)
         assert float(assignment_score(scores, idx)) == optimum(scores, k)
     # half the tokens identical, as zero (padding) embeddings give a BASE router
     scores = torch.randn(512, 16, generator=g)
     scores[::2] = scores[0]
-    idx = balanced_assignment(scores, 4)
+    idx = solve(scores, 4)
     check_feasible(idx, 512, 16, 4)
     assert float(assignment_score(scores, idx)) == pytest.approx(optimum(scores, 4), rel=1e-6)
-    idx = balanced_assignment(torch.zeros(2048, 32), 6)  # every row tied
+    idx = solve(torch.zeros(2048, 32), 6)  # every row tied
     check_feasible(idx, 2048, 32, 6)
 
 
@@ -459,22 +484,24 @@ def test_certificate_passes_on_tie_heavy_scores_by_default():
     check_feasible(balanced_assignment(scores, 8), 4096, 64, 8)
 
 
-def test_larger_problem_matches_exact_optimum():
+@pytest.mark.parametrize("solve", EXACT)
+def test_larger_problem_matches_exact_optimum(solve):
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(512, 16, generator=g)
     for k in (1, 2):
-        idx = balanced_assignment(scores, k)
+        idx = solve(scores, k)
         check_feasible(idx, 512, 16, k)
         assert float(assignment_score(scores, idx)) == pytest.approx(optimum(scores, k), rel=1e-6)
 
 
-def test_budget_exhausted_still_balanced_and_warns():
+@pytest.mark.parametrize("solve", EXACT)
+def test_budget_exhausted_still_balanced_and_warns(solve):
     g = torch.Generator().manual_seed(1)
     scores = torch.randn(300, 7, generator=g)
     scores[:, 2] += 3.0
     for k in (1, 3):
         with pytest.warns(RuntimeWarning, match="max_cycles=0"):
-            idx = balanced_assignment(scores, k, max_iters=0, max_cycles=0)
+            idx = solve(scores, k, max_iters=0, max_cycles=0)
         check_feasible(idx, 300, 7, k)
 
 
@@ -637,3 +664,42 @@ def test_capacities_on_the_host_equal_the_tensor(t, e, k):
     assert expert_capacities_list(t, e, k) == expert_capacities(t, e, k).tolist()
     with pytest.raises(ValueError, match="k must be in"):
         expert_capacities_list(t, e, e + 1)
+
+
+def test_small_problems_whose_prices_prove_the_pick_skip_the_cycles(monkeypatch):
+    # each expert is some T/E tokens' strict favourite: under prices that balance the pick,
+    # every token holds its best expert and the pick is optimal with nothing left to exchange
+    def no_cycles(*args, **kwargs):
+        raise AssertionError("the prices already prove the pick")
+
+    monkeypatch.setattr(exact_module, "host_finish", no_cycles)
+    g = torch.Generator().manual_seed(0)
+    for t, e in ((64, 8), (1024, 8), (2048, 8)):
+        target = torch.randperm(t, generator=g) % e
+        scores = torch.rand(t, e, generator=g)
+        scores[torch.arange(t), target] += 1.0
+        assert torch.equal(balanced_assignment(scores)[:, 0], target)
+    with pytest.raises(AssertionError, match="prove"):  # a skew the first prices cannot fix
+        scores = torch.randn(1024, 8, generator=g)
+        scores[:, 0] += 2.0
+        balanced_assignment(scores, max_iters=1)
+
+
+@pytest.mark.parametrize("num_experts", range(2, 20))
+def test_host_top_two_matches_a_sort(num_experts):
+    rng = np.random.default_rng(num_experts)
+    a = rng.standard_normal((num_experts, 50)).astype(np.float32)
+    a[:, 0] = 1.0  # a column tied throughout
+    a[-1, 1] = a[0, 1] = 5.0  # the first and last rows tied at the top
+    m1, m2 = _top2_host(a)
+    ordered = np.sort(a, axis=0)
+    assert np.array_equal(m1, ordered[-1]) and np.array_equal(m2, ordered[-2])
+
+
+@pytest.mark.parametrize("t, e", [(2048, 8), (4096, 8)])
+def test_the_numpy_path_stops_at_its_size(t, e):
+    taken = []
+    real = exact_module._host_solve
+    with mock.patch.object(exact_module, "_host_solve", lambda *a: taken.append(1) or real(*a)):
+        balanced_assignment(torch.randn(t, e))
+    assert len(taken) == (t * e <= exact_module.SMALL)

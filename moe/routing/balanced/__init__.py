@@ -14,7 +14,8 @@ between experts (`moe.routing.exchange`). docs/routing.md gives the math.
 
 The files, in the order a solve uses them: `inputs` (checks, normalisation), `buffers` (the
 work buffers), `prices` and `pairs` (the dual prices), `pick` (the pick and the greedy fill),
-then `exact`, `approx` and `reference`, one solver each; `capacities` holds the balance rule.
+then `exact`, `approx` and `reference`, one solver each; `capacities` holds the balance rule,
+and `small` the exact solver's numpy path for small CPU problems at K = 1.
 """
 
 # ruff: noqa: F401

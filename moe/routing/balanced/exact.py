@@ -14,6 +14,7 @@ from .capacities import _Capacities, _check_extras
 from .inputs import _normalise, _nothing_to_solve
 from .pick import _fill, _select
 from .prices import _jacobi_prices, _prices
+from .small import SMALL, host_finish, host_prices
 from .threads import solve_threads
 
 
@@ -55,7 +56,9 @@ def balanced_assignment(
     under them, full experts keep their highest-margin tokens and the dropped slots go to the
     best experts with room; then exchange cycles between experts remove every improvement, and
     a check of every token the final prices could fault certifies the result. Every loop is
-    bounded, and the output is a deterministic function of the input.
+    bounded, and the output is a deterministic function of the input. CPU problems at K = 1 with
+    T * E <= 16384 run every step in numpy (`small`), where a pick that fills every expert
+    exactly under the prices needs no cycles (the prices prove it optimal).
 
     Host syncs: none inside the price iterations; one for the normalisation, one or two to
     decide how many full price updates to run, two to list the pairs near each token's best and
@@ -76,34 +79,70 @@ def balanced_assignment(
         work = _Work(scores_TE, sync_ok=True)
         s = _normalise(scores_TE, jitter=eps / 2, work=work)
         caps = _Capacities(num_tokens, num_experts, k, extras, device, host=device.type == "cpu")
-        p, pairs = _prices(s, caps, k, max_iters, work)
-        cap = caps.at(p)  # the loads the pick and the fill aim at; the cycles may still move extras
-        picked = None if pairs is None else pairs.select(p, cap)
-        out, margin = _select(s, p, k, cap, work) if picked is None else picked
-        for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
-            if int((out < 0).sum()) <= max(num_tokens * k // 100, num_experts):
-                break
-            p = _jacobi_prices(s, caps, k, max(max_iters, 2), p, work=work)[0]
-            cap = caps.at(p)
-            out, margin = _select(s, p, k, cap, work)
-        # candidates for exchange cycles: tokens near a boundary under p, and those refilled
-        near = (margin < 0.005) | (out < 0).any(dim=1)
-        swapped = _fill(s, out, cap, p)
-        if swapped:  # moved off their best experts by the fill's exchanges
-            near[swapped] = True
         budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
         delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
-        candidates = torch.nonzero(near).flatten()
-        if not cancel_cycles(
-            s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin), movable=caps.movable
-        ):
-            warnings.warn(
-                f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
-                "optimality certificate passed; the assignment is balanced but may be suboptimal",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if k == 1 and device.type == "cpu" and num_tokens * num_experts <= SMALL:
+            out, done = _host_solve(s, caps, max_iters, delta, budget)
+        else:
+            out, done = _solve(s, caps, k, max_iters, delta, budget, work)
+    if not done:
+        warnings.warn(
+            f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
+            "optimality certificate passed; the assignment is balanced but may be suboptimal",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return out.clone()  # a normal tensor: an inference tensor cannot be saved for backward
+
+
+def _solve(
+    s: Tensor, caps: _Capacities, k: int, max_iters: int, delta: float, budget: int, work: _Work
+) -> tuple[Tensor, bool]:
+    """The assignment (T, K), and False if the cycle budget ran out before the certificate."""
+    p, cap, out, margin = _start(s, caps, k, max_iters, work)
+    # candidates for exchange cycles: tokens near a boundary under p, and those refilled
+    near = (margin < 0.005) | (out < 0).any(dim=1)
+    swapped = _fill(s, out, cap, p)
+    if swapped:  # moved off their best experts by the fill's exchanges
+        near[swapped] = True
+    candidates = torch.nonzero(near).flatten()
+    done = cancel_cycles(
+        s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin), movable=caps.movable
+    )
+    return out, done
+
+
+def _start(s: Tensor, caps: _Capacities, k: int, max_iters: int, work: _Work) -> tuple[Tensor, ...]:
+    """The prices (E, 1), the loads they aim at (E,), the pick under them (T, K; -1 where
+    dropped) and every token's margin (T,)."""
+    num_tokens, num_experts = s.shape[1], s.shape[0]
+    p, pairs = _prices(s, caps, k, max_iters, work)
+    cap = caps.at(p)  # the loads the pick and the fill aim at; the cycles may still move extras
+    picked = None if pairs is None else pairs.select(p, cap)
+    out, margin = _select(s, p, k, cap, work) if picked is None else picked
+    for _ in range(3):  # many dropped slots (tie-heavy scores): the prices need more updates
+        if int((out < 0).sum()) <= max(num_tokens * k // 100, num_experts):
+            break
+        p = _jacobi_prices(s, caps, k, max(max_iters, 2), p, work=work)[0]
+        cap = caps.at(p)
+        out, margin = _select(s, p, k, cap, work)
+    return p, cap, out, margin
+
+
+def _host_solve(s: Tensor, caps: _Capacities, max_iters: int, delta: float, budget: int) -> tuple[Tensor, bool]:
+    """`_solve` for small CPU problems at K = 1 (`small`), every step in numpy. When every
+    token's best expert under the prices is unique and every expert leads exactly its load, the
+    pick meets the prices' bound (`assignment_bound`): it is optimal, with nothing to fill or
+    exchange."""
+    state = host_prices(s.numpy(), caps, max_iters)
+    out, margin = state.pick()
+    for _ in range(3):  # as in `_start`
+        if int((out < 0).sum()) <= max(s.shape[1] // 100, s.shape[0]):
+            break
+        state = host_prices(s.numpy(), caps, max(max_iters, 2), state)
+        out, margin = state.pick()
+    done = state.balanced() or host_finish(state, out, margin, delta, budget)
+    return torch.from_numpy(out)[:, None], done
 
 
 def _threads_for(scores_TE: Tensor, k: int):
