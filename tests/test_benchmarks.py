@@ -150,7 +150,6 @@ def test_base_solvers_reads_fairseqs_answer_back_per_token():
     assert idx.shape == (12, 1) and idx[order[:4], 0].tolist() == [0] * 4 and idx[order[8:], 0].tolist() == [2] * 4
 
 
-
 def test_base_solvers_small_table_times_both_paths(monkeypatch):
     from benchmarks import base_solvers
     from moe.routing.balanced import exact
@@ -164,6 +163,7 @@ def test_base_solvers_small_table_times_both_paths(monkeypatch):
     assert [line.split("|")[1].strip() for line in lines[4:]] == ["64 x 4", "8192 x 4"]
     # per draw: a warm-up, 2 timed solves and the check of the totals take the numpy path
     assert len(taken) == 2 * 2 * (1 + 2 + 1)
+
 
 def test_global_base_benchmark_rows_on_random_and_training_scores():
     from benchmarks.global_base import markdown, run, summary

@@ -72,14 +72,16 @@ class _HostPrices:
         self.d += self.a
 
     def balanced(self) -> bool:
-        """Does every expert lead exactly its capacity of tokens? (A margin is > 0 only at a
-        token's one best expert, so with ties the counts sum to less than T and some differ.)"""
+        """Does every expert lead exactly its capacity of tokens? A margin is > 0 only at a
+        token's one best expert, so with ties the counts sum to less than T and some differ.
+        Rounding may also take a near tie's margin to 0: a pick that is balanced then reads as
+        not, and the cycles run (slower, never wrong)."""
         return bool(((self.d > 0).sum(axis=1) == self.cap).all())
 
     def update(self, omega: float = 0.7) -> None:
         """One damped Jacobi update: expert e's price moves to the midpoint of the cap-th and
-        (cap+1)-th largest of its margins, clamped to [-1, 1] as the dense update's window;
-        an expert that takes no token rises by 1."""
+        (cap+1)-th largest of its margins, clamped to [-1, 1] as the dense update's window,
+        times ``omega``; an expert whose capacity is 0 (T < E) rises by ``omega``."""
         num_tokens, cap, first = self.s.shape[1], self.cap, self.top_from
         # one partition and a sort of the few largest: 1.5x faster than a partition at 3 places
         self.d.partition(first, axis=1)  # the margins are made again from the prices
