@@ -14,7 +14,7 @@ from .capacities import _Capacities, _check_extras
 from .inputs import _normalise, _nothing_to_solve
 from .pick import _fill, _select
 from .prices import _jacobi_prices, _prices
-from .small import SMALL, host_finish, host_prices
+from .small import SMALL, _HostPrices, host_finish, host_prices
 from .threads import solve_threads
 
 
@@ -134,12 +134,12 @@ def _host_solve(s: Tensor, caps: _Capacities, max_iters: int, delta: float, budg
     token's best expert under the prices is unique and every expert leads exactly its load, the
     pick meets the prices' bound (`assignment_bound`): it is optimal, with nothing to fill or
     exchange."""
-    state = host_prices(s.numpy(), caps, max_iters)
+    state = host_prices(_HostPrices(s.numpy(), caps), max_iters)
     out, margin = state.pick()
     for _ in range(3):  # as in `_start`
         if int((out < 0).sum()) <= max(s.shape[1] // 100, s.shape[0]):
             break
-        state = host_prices(s.numpy(), caps, max(max_iters, 2), state)
+        state = host_prices(state, max(max_iters, 2))
         out, margin = state.pick()
     done = state.balanced() or host_finish(state, out, margin, delta, budget)
     return torch.from_numpy(out)[:, None], done
