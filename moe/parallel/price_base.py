@@ -345,10 +345,7 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
     while True:  # the bands grow until the fixed tokens leave room the margin rows can fill
         last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
-        near = [
-            m < band.to(m.device, m.dtype)[out].amax(1) if not last else torch.ones_like(m, dtype=torch.bool)
-            for out, m in picks
-        ]
+        near = [_in_band(out, m, band) if not last else torch.ones_like(m, dtype=torch.bool) for out, m in picks]
         counts = []
         for rank, (out, m), nr in zip(red.ranks, picks, near, strict=True):
             c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
@@ -492,6 +489,11 @@ def _solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, w
     return outs, shift, ok
 
 
+def _in_band(out_TK: Tensor, margin_T: Tensor, band_E: Tensor) -> Tensor:
+    """(T,) bool: the tokens whose margin is below the band of the widest of their slots'."""
+    return margin_T < band_E.to(margin_T.device, margin_T.dtype)[out_TK].amax(1)
+
+
 def _graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
     """The exchange-cycle graph of the gathered rows, on copies of their slots and of the
     movable extra slots (the search writes both)."""
@@ -505,7 +507,7 @@ def _fails_fewer(s_parts, picks, near, wider: Tensor, q_E: Tensor, red, delta: f
     for s, (out, m), nr in zip(s_parts, picks, near, strict=True):
         local = (~nr).nonzero().flatten()
         fails = violations(s.index_select(1, local), q_E.to(s.device), out.index_select(0, local), delta).numel()
-        adds = int((m < wider.to(m.device, m.dtype)[out].amax(1)).sum()) - int(nr.sum())
+        adds = int(_in_band(out, m, wider).sum()) - int(nr.sum())
         counts.append(torch.tensor([fails, adds], dtype=torch.int64, device=s.device))
     fails, adds = red.sum(counts).tolist()
     return fails <= adds
