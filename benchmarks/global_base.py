@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -177,13 +178,14 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
 
 def run(
     world: int, tokens: int, experts: int, k: int, scores: str, steps: int, check: bool, *,
-    check_max_gb: float = 4.0, run_dir: str | None = None, replay: list[int] | None = None,
+    check_max_gb: float = 4.0, run_dir: str | None = None, replay: list[int] | None = None, on_solve=None,
 ) -> list[dict]:  # fmt: skip
     """Every solve's figures. With ``check``, each objective is compared with the stacked
     single-process solve's where the stacked scores take at most ``check_max_gb`` (that solve
     holds several copies of them), and certified by its prices' bound beyond (`verify`).
     ``scores="run"`` replays the checkpoints of the `moe train` run in ``run_dir``
-    (``replay``: their steps, or all; ``steps`` batches each), whose model sets E and K."""
+    (``replay``: their steps, or all; ``steps`` batches each), whose model sets E and K.
+    ``on_solve``, where given, is called with each solve's figures as it ends."""
     rows = []
     if scores == "random":
         source = ((i, scores, x) for i, x in enumerate(random_steps(world, tokens, experts, steps)))
@@ -218,6 +220,8 @@ def run(
                         parts=bytes_by_part(st.log, world, experts), objective=objective,
                     )
                 )  # fmt: skip
+                if on_solve is not None:
+                    on_solve(rows[-1])
             del parts, x  # before the next step's scores are made
         last = step
         del layers
@@ -297,6 +301,16 @@ def _large_buffers_from_mmap() -> None:
         pass
 
 
+def progress(row: dict) -> None:
+    """One solve's figures on stderr as it ends (a long replay shows how far it has got)."""
+    print(
+        f"{row['scores']} step {row['step']} layer {row['layer']} {row['mode']}: {row['rounds']} rounds, "
+        f"{row['bytes'] / row['gathered_bytes']:.2%} of the gathered bytes, {row['margin_rows']} margin rows, "
+        f"{row['seconds']:.1f} s" + (f", {row['objective']}" if row.get("objective") else ""),
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+
+
 def main(argv=None) -> None:
     _large_buffers_from_mmap()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -327,7 +341,8 @@ def main(argv=None) -> None:
             for experts in args.E:
                 for k in args.K:
                     got = run(world, tokens, experts, k, scores, args.steps, args.check,
-                              check_max_gb=args.check_max_gb, run_dir=args.run, replay=args.replay_steps)  # fmt: skip
+                              check_max_gb=args.check_max_gb, run_dir=args.run, replay=args.replay_steps,
+                              on_solve=progress)  # fmt: skip
                     rows += got
                     print("\n".join(markdown(summary(got)).splitlines()[2:]), flush=True)  # as each one ends
     if args.json:

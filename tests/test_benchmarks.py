@@ -219,7 +219,7 @@ def test_global_base_benchmark_checks_up_to_its_limit_and_certifies_beyond():
             verify(x, worse, p, 1, max_gb)
 
 
-def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path):
+def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path, capsys):
     from benchmarks import global_base
 
     from .train.run import TINY, corpus, moe
@@ -227,12 +227,16 @@ def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path)
     run_dir = tmp_path / "run"
     moe("train", *TINY, "--data", corpus(tmp_path), "--router", "base", "--experts", 8, "--top-k", 1, "--steps", 4,
         "--checkpoint-every", 1, "--keep", 8, "--out", run_dir)  # fmt: skip
-    rows = global_base.run(2, 64, 0, 0, "run", 2, True, run_dir=str(run_dir), replay=[1, 4])
+    seen = []
+    rows = global_base.run(2, 64, 0, 0, "run", 2, True, run_dir=str(run_dir), replay=[1, 4], on_solve=seen.append)
+    assert seen == rows  # each solve reported as it ends
     solves = [(r["scores"], r["step"], r["mode"]) for r in rows if r["layer"] == 0]
     assert solves == [("run@1", 1, "cold"), ("run@1", 2, "cold"), ("run@1", 2, "warm"),
                       ("run@4", 4, "cold"), ("run@4", 5, "cold"), ("run@4", 5, "warm")]  # fmt: skip
     assert {r["layer"] for r in rows} == {0, 1}  # the tiny preset's two MoE layers
     assert all(r["E"] == 8 and r["K"] == 1 and r["objective"] == "equal" for r in rows)
+    global_base.progress(rows[-1])
+    assert capsys.readouterr().err.startswith("run@4 step 5 layer 1 warm: ")
     with pytest.raises(SystemExit, match="no checkpoint at steps \\[7\\]"):
         global_base.main(["--run", str(run_dir), "--replay-steps", "7", "--W", "2", "--T", "64"])
     with pytest.raises(SystemExit):
