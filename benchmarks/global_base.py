@@ -38,7 +38,8 @@ import time
 
 import torch
 
-from moe.parallel.price_base import GAP_BINS, price_balanced_assignment
+from moe.parallel.price_base import price_balanced_assignment
+from moe.parallel.price_margin import GAP_BINS
 from moe.parallel.reduction import ShardReduce
 from moe.routing.balanced import assignment_bound, assignment_score, balanced_assignment
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from moe.parallel import price_base, price_prices, price_rows
+from moe.parallel import price_base, price_margin, price_prices, price_rows
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
@@ -335,7 +335,7 @@ def test_fewer_failing_fixed_tokens_than_a_wider_band_adds_go_to_the_certificate
         return price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), prices=far, max_price_iters=0)
 
     out, _, stats = solve()
-    with mock.patch.object(price_base, "_fails_fewer", lambda *a: False):  # the band always grows
+    with mock.patch.object(price_margin, "_fails_fewer", lambda *a: False):  # the band always grows
         _, _, grown = solve()
     assert stats.bytes < 0.9 * grown.bytes, (stats, grown)
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 2)))
@@ -457,7 +457,7 @@ def test_rows_short_of_columns_come_back_with_more(sizes, e, k, kind, extras, se
     solver's optimum."""
     total = sum(sizes)
     x = make_scores(seed, total, e, kind)
-    with mock.patch.object(price_base, "SENT", sent):
+    with mock.patch.object(price_margin, "SENT", sent):
         got, _, stats = solve_simulated(x, sizes, k, extras)
     check_feasible(got, total, e, k, extras)
     ref = balanced_assignment(x, k, extras=extras)
@@ -512,7 +512,7 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     sizes = [0 if j == 2 else 60 + 5 * j for j in range(world)]
     x = make_scores(seed + 30, sum(sizes), 24, "gauss")
     far = 0.05 * float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-1, 1, 24, dtype=torch.float64)
-    with mock.patch.object(price_base, "SENT", 0):
+    with mock.patch.object(price_margin, "SENT", 0):
         (got,), _, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group), prices=far,
                                                      max_price_iters=0)  # fmt: skip
     first = next(values for kind, values, _ in stats.log if kind == "gather")  # the margin's rows, in bytes

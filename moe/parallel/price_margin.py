@@ -1,0 +1,337 @@
+"""Steps 3 and 4 of global BASE by prices (`price_base`): the tokens near a boundary under the
+agreed prices, gathered onto every rank and solved there as one residual problem, then the
+certificate that no token anywhere in the group could gain under the residual's prices.
+
+Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gathered rows.
+
+3. the margin: every token picks its K best under the prices; those whose K-th choice is
+   ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
+   last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
+   (the fixed tokens' loads, the margin rows per rank, every token counted by its margin in
+   bins growing 2x) and one gather of the margin rows give every rank the same residual
+   problem, which each solves the same way: the greedy fill into the room the fixed tokens
+   leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 3 best
+   experts under the prices, its slots first, not all E, and travels as bytes: the experts
+   (uint8 up to 256) and their fp32 scores, 5 (K + 3) bytes against K + 4E for every column
+   (`RowLayout`), and no index: the rows come in rank order, and each rank knows which of its
+   tokens it sent; the other columns count as ``UNSENT``, below every score. Fewer rows in the
+   band than asked for (2E, or an eighth of the tokens where the price updates reached their
+   cap or stalled: `price_base`) widen it first, to the bin edge with enough below it (one
+   more sum): so thin a margin leaves the cycles too few moves to take up the loads' last
+   misses, the certificate's prices move far from the picks' and many fixed tokens fail. Each
+   expert has its own band, which a token takes at the widest of its slots': where the fixed
+   tokens overfill experts, their bands alone grow 4x (one more sum each), so a cluster of
+   near-equal tokens on the wrong side of one boundary widens that boundary, not every
+   token's. Where the fill finds no completion, or the cycles on the gathered rows alone (no
+   collective; the certificate's first round reuses them) leave a row on a column it did not
+   carry, every band grows 4x: such rows cannot fill some experts on their own columns, the
+   certificate's prices for those fall far below the picks' and many fixed tokens fail. The
+   latter only while more fixed tokens would fail against those prices than a 4x band would
+   add (one sum of 2 values), else the certificate takes the failing ones. A wider band sends
+   only the tokens it adds (the prices, and so a token's row, stay), one gather each;
+4. the certificate: the cycles' final distances are prices under which no margin row can gain
+   on the columns it carries. Every rank checks its fixed tokens against them, and its margin
+   rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
+   joins the margin rows with its slots, a margin row that fails travels again with its K + 3
+   best columns under the new prices, added to those it carried (one gather for both, each
+   row keyed by its place among the gathered rows, -1 for a new one: 4 bytes more), and
+   the cycles go on. When none fails, no cycle over the whole group
+   gains more than the tolerance: the optimality condition of the transportation problem, as
+   in the single-process solver (docs/routing.md).
+
+Both loops are bounded: the bands grow geometrically to the whole problem (then the residual is
+the gathered problem), and each certificate round adds a row or a column a row did not carry
+(one of its K + 3 best under the new prices beats what it holds, and the carried ones passed);
+after `LAST_CHECK` rounds every row travels whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..routing.balanced import _fill
+from ..routing.exchange import _Graph, held_mask, violations
+from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
+
+__all__ = ["GAP_BINS", "LAST_CHECK", "solve_margin"]
+
+BAND = 1.0  # the first margin band, in units of the last price move
+MIN_BAND = 1e-6
+LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
+GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
+
+
+def solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats):
+    """Steps 3 and 4 on the normalised shards (E, T) at the prices ``p`` (E,) (``cap``: the
+    capacities there, ``width``: the last price move), the band widened to hold at least
+    ``min_rows`` tokens. Fills ``stats``' margin rows, cycles and checks. Returns (slots
+    (T, K) per shard, the certificate's prices (E,) float64 with mean zero, certified: False
+    where the cycle budget ran out first)."""
+    margin = _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows)
+    return _certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats)
+
+
+def _pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each token's K best experts under the prices (T, K) and its margin over the next (T,)."""
+    vals, idx = torch.topk(s_ET - p_E1, k + 1, dim=0)
+    return idx[:k].T.contiguous(), vals[k - 1] - vals[k]
+
+
+@dataclass
+class _Margin:
+    """What step 3 leaves the certificate."""
+
+    picks: list  # per shard: (slots (T, K), margin (T,)) under the agreed prices
+    near: list  # per shard: (T,) bool, the tokens gathered
+    mine: list  # per shard: (its tokens sent, their residual rows, their columns), a block per gather
+    s_res: Tensor  # (E, M) the gathered rows' scores, UNSENT where a row did not carry a column
+    graph: _Graph  # the exchange cycles on the gathered rows alone
+    cancelled: tuple  # its search's (done, cycles applied, distances)
+    extra: object  # the movable extra slots (extras="best"), or None
+    lay: RowLayout
+    cols: int  # the columns a row carries
+
+
+def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows) -> _Margin:
+    """Step 3: the bands grow until the fixed tokens leave room the gathered rows can fill on
+    the columns they carry."""
+    num_experts = s_parts[0].shape[0]
+    dtype = s_parts[0].dtype
+    world = red.world
+    p1 = p.to(dtype)[:, None]
+    picks = [_pick(s, p1, k) for s in s_parts]
+    cols = min(num_experts, k + SENT)
+    lay = RowLayout.of(sum(sizes), num_experts, k, dtype)
+    band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held
+    edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
+    extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
+    # the rows gathered so far: a wider band sends only the tokens it adds (the prices, and so
+    # a token's row, stay), each gather a block in rank order after the ones before
+    s_res = torch.empty(num_experts, 0, dtype=lay.score)
+    had = [torch.zeros_like(m, dtype=torch.bool) for _, m in picks]
+    had_sizes = [0] * world
+    mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
+    while True:
+        last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
+        near = [_in_band(out, m, band) if not last else torch.ones_like(m, dtype=torch.bool) for out, m in picks]
+        counts = []
+        for rank, (out, m), nr in zip(red.ranks, picks, near, strict=True):
+            c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
+            c.index_add_(0, out[~nr].flatten(), torch.ones_like(out[~nr].flatten()))
+            c[num_experts + rank] = int(nr.sum())
+            by_gap = torch.bucketize(m, edges.to(m.device, m.dtype), right=True)  # i: below edges[i], not below i-1
+            c[num_experts + world :] = torch.bincount(by_gap, minlength=GAP_BINS + 1)
+            counts.append(c)
+        summed = red.sum(counts).cpu()
+        room = cap.cpu() - summed[:num_experts]
+        m_sizes = summed[num_experts : num_experts + world].tolist()
+        if sum(m_sizes) < min_rows and not last:  # to the first edge with enough rows below it: one more count
+            below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
+            band.clamp_(min=float(edges[min(int((below < min_rows).sum()), GAP_BINS - 1)]))  # far prices: past 4
+            continue
+        if not bool((room >= 0).all()):  # the fixed tokens overfill these experts: their bands grow
+            band[room < 0] *= 4
+            continue
+        new_sizes = [m - h for m, h in zip(m_sizes, had_sizes, strict=True)]  # the bands only grow
+        if sum(new_sizes):
+            added = [(nr & ~h).nonzero().flatten() for nr, h in zip(near, had, strict=True)]
+            made = [
+                pack_rows(s, p1, out, lc, None, cols, lay)
+                for s, (out, _), lc in zip(s_parts, picks, added, strict=True)
+            ]
+            rows = red.gather([r for r, _ in made], new_sizes).cpu()
+            for rank, lc, (_, got), (lcs, at, gots) in zip(red.ranks, added, made, mine, strict=True):
+                first = s_res.shape[1] + sum(new_sizes[:rank])
+                lcs.append(lc)
+                at.append(torch.arange(first, first + lc.numel()))
+                gots.append(got)
+            s_res = torch.cat([s_res, unpack_rows(rows, lay, cols, keyed=False)[2]], 1)
+            had, had_sizes = near, m_sizes
+        slots = torch.full((s_res.shape[1], k), -1, dtype=torch.int64)
+        try:
+            _fill(s_res, slots, room, p.to(dtype).cpu())
+        except RuntimeError as err:  # no completion with these fixed tokens: a wider band
+            if last:  # impossible
+                raise AssertionError("price_balanced_assignment: the whole problem could not be filled") from err
+            band *= 4
+            continue
+        # the cycles on the gathered rows alone (no collective); the certificate's first round
+        # reuses them. Where a row still holds a column it did not carry, the rows cannot fill
+        # some experts on their own columns: the certificate's prices for those would fall far
+        # below the picks' and most fixed tokens would fail (docs/benchmarks.md, "The
+        # far-expert failure, traced"). A wider band brings the rows that can, where it sends
+        # fewer than the fixed tokens that would fail.
+        # the search starts from the prices the fixed tokens were picked under, so the
+        # certificate's prices rise from them only where a margin row's move needs it and few
+        # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
+        # thousand did)
+        graph = _graph(s_res, slots, delta, extra)
+        cancelled = graph.cancel(budget, p.cpu().numpy().astype(s_res.numpy().dtype))
+        if (
+            last
+            or not _holds_unsent(s_res, torch.from_numpy(graph.out))
+            or _fails_fewer(s_parts, picks, near, band * 4, torch.from_numpy(cancelled[2]).to(dtype), red, delta)
+        ):
+            return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+        band *= 4
+
+
+def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
+    """Step 4, from the cycles of step 3: rounds of checks until no fixed token and no gathered
+    row could gain under the cycles' prices (or the budget runs out). Returns as `solve_margin`."""
+    num_experts = s_parts[0].shape[0]
+    dtype = s_parts[0].dtype
+    world = red.world
+    s_res, extra, lay, cols = mg.s_res, mg.extra, mg.lay, mg.cols
+    # which residual row each local token is (-1: fixed), and the global index of each
+    # residual row that a local shard sent (-1: another rank's, which this one never writes)
+    ids = torch.full((s_res.shape[1],), -1, dtype=torch.int64)
+    at_row = [torch.full(nr.shape, -1, dtype=torch.int64, device=nr.device) for nr in mg.near]
+    sent = []  # per shard: the columns its gathered rows carry
+    for s, ar, st, (lcs, at, gots) in zip(s_parts, at_row, starts, mg.mine, strict=True):
+        lc, at = torch.cat(lcs), torch.cat(at)
+        ar[lc] = at.to(lc.device)
+        ids[at] = lc.cpu() + st
+        sent.append(_Sent(s.shape[1], num_experts, s.device))
+        sent[-1].set(lc, torch.cat(gots, 1))
+    stats.margin_rows = ids.numel()
+    fixed = [(~nr) for nr in mg.near]
+    outs = [out.clone() for out, _ in mg.picks]
+    applied, ok = 0, False
+    graph, cancelled, start, slots = mg.graph, mg.cancelled, None, None  # the first round: step 3's cycles
+    for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
+        if check:
+            graph = _graph(s_res, slots, delta, extra)
+            cancelled = graph.cancel(budget - applied, start)
+        done, n, dist = cancelled
+        applied, start = applied + n, dist
+        slots = torch.from_numpy(graph.out)
+        stats.cycles, stats.checks = applied, check + 1
+        prices = torch.from_numpy(dist).to(torch.float64)
+        if not done:
+            break
+        _write(outs, ids, slots, starts, sizes, red)
+        q = prices.to(dtype).to(s_parts[0].device)
+        bad, short = [], []  # fixed tokens that fail; gathered rows whose missing columns fail
+        for s, out, fx, sn in zip(s_parts, outs, fixed, sent, strict=True):
+            local = fx.nonzero().flatten()
+            part = (~fx).nonzero().flatten()  # the gathered rows: those that lack a column
+            part = part[~sn.of(part).all(0)]
+            if check == LAST_CHECK:
+                bad.append(local)
+                short.append(part)
+                continue
+            bad.append(local[violations(s.index_select(1, local), q, out.index_select(0, local), delta)])
+            short.append(part[_short(s.index_select(1, part), q, out.index_select(0, part), sn.of(part), delta)])
+        counts = []
+        for rank, b, sh in zip(red.ranks, bad, short, strict=True):
+            c = torch.zeros(2 * world, dtype=torch.int64, device=b.device)
+            c[rank], c[world + rank] = b.numel(), sh.numel()
+            counts.append(c)
+        summed = red.sum(counts).cpu()
+        b_sizes = (summed[:world] + summed[world:]).tolist()
+        if sum(b_sizes) == 0:
+            ok = True
+            break
+        width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
+        made = [  # a new row keyed -1, a short one by its residual row; their best under the new prices
+            pack_rows(s, q[:, None], out, torch.cat([b, sh]), torch.cat([torch.full_like(b, -1), ar[sh]]), width, lay)
+            for s, out, b, sh, ar in zip(s_parts, outs, bad, short, at_row, strict=True)
+        ]
+        more = red.gather([r for r, _ in made], b_sizes).cpu()
+        again, new_slots, new_s = unpack_rows(more, lay, width)
+        old = again >= 0
+        added = ids.numel() + torch.cumsum(~old, 0) - 1  # where each new row goes
+        ids = torch.cat([ids, torch.full((int((~old).sum()),), -1, dtype=torch.int64)])
+        for rank, fx, sn, b, sh, ar, st, (_, got) in zip(
+            red.ranks, fixed, sent, bad, short, at_row, starts, made, strict=True
+        ):
+            fx[b] = False
+            sn.set(torch.cat([b, sh]), got)
+            first = sum(b_sizes[:rank])  # this rank's new rows lead its block
+            rows_b = added[first : first + b.numel()]
+            ar[b] = rows_b.to(ar.device)
+            ids[rows_b] = b.cpu() + st
+        # their slots are the ones held already; the columns they carried before stay
+        s_res[:, again[old]] = torch.where(new_s[:, old] == UNSENT, s_res[:, again[old]], new_s[:, old])
+        new = ~old
+        slots = torch.cat([slots, new_slots[new]])
+        s_res = torch.cat([s_res, new_s[:, new]], 1)
+        if extra is not None:
+            extra = graph.extra
+        stats.margin_rows = ids.numel()
+    _write(outs, ids, slots, starts, sizes, red)
+    return outs, prices - prices.mean(), ok
+
+
+def _in_band(out_TK: Tensor, margin_T: Tensor, band_E: Tensor) -> Tensor:
+    """(T,) bool: the tokens whose margin is below the band of the widest of their slots'."""
+    return margin_T < band_E.to(margin_T.device, margin_T.dtype)[out_TK].amax(1)
+
+
+def _graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
+    """The exchange-cycle graph of the gathered rows, on copies of their slots and of the
+    movable extra slots (the search writes both)."""
+    return _Graph(s_res.numpy(), slots_MK.numpy().copy(), delta, None if extra is None else extra.copy())
+
+
+def _fails_fewer(s_parts, picks, near, wider: Tensor, q_E: Tensor, red, delta: float) -> bool:
+    """Whether fewer fixed tokens fail against the prices ``q`` than a band of ``wider``
+    would add to the margin (one sum of 2 values): the cheaper of the two to send."""
+    counts = []
+    for s, (out, m), nr in zip(s_parts, picks, near, strict=True):
+        local = (~nr).nonzero().flatten()
+        fails = violations(s.index_select(1, local), q_E.to(s.device), out.index_select(0, local), delta).numel()
+        adds = int(_in_band(out, m, wider).sum()) - int(nr.sum())
+        counts.append(torch.tensor([fails, adds], dtype=torch.int64, device=s.device))
+    fails, adds = red.sum(counts).tolist()
+    return fails <= adds
+
+
+def _holds_unsent(s_res: Tensor, slots_MK: Tensor) -> bool:
+    """Whether a gathered row holds a column it did not carry (``UNSENT``)."""
+    held = slots_MK.clamp(min=0)
+    return bool(((s_res.gather(0, held.T) == UNSENT) & (slots_MK.T >= 0)).any())
+
+
+class _Sent:
+    """The columns one shard's gathered rows carry: (E, n) bool for its n gathered tokens, kept
+    for those alone (a (E, T) mask would cost a quarter of the float32 scores)."""
+
+    def __init__(self, num_tokens: int, num_experts: int, device) -> None:
+        self.at = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)  # column in cols, or -1
+        self.cols = torch.zeros(num_experts, 0, dtype=torch.bool, device=device)
+
+    def set(self, local: Tensor, got_En: Tensor) -> None:
+        """Tokens ``local`` (distinct) carry the columns ``got`` too."""
+        new = local[self.at[local] < 0]
+        n = self.cols.shape[1]
+        self.at[new] = torch.arange(n, n + new.numel(), device=self.at.device)
+        self.cols = torch.cat([self.cols, self.cols.new_zeros(self.cols.shape[0], new.numel())], 1)
+        self.cols[:, self.at[local]] |= got_En
+
+    def of(self, local: Tensor) -> Tensor:
+        """(E, n): the columns gathered tokens ``local`` carry."""
+        return self.cols[:, self.at[local]]
+
+
+def _short(s_ET: Tensor, q_E: Tensor, out_TK: Tensor, sent_ET: Tensor, delta: float) -> Tensor:
+    """Which gathered rows the certificate cannot pass on the columns they carry: a slot at a
+    column not carried, or a column not carried that beats the worst slot by more than
+    ``delta`` under the prices ``q`` (the carried ones passed in the cycles)."""
+    a = s_ET - q_E.view(-1, 1)
+    held = held_mask(out_TK, s_ET.shape[0])
+    worst_held = torch.where(held, a, float("inf")).amin(dim=0)
+    best_missing = torch.where(sent_ET, float("-inf"), a).amax(dim=0)
+    return torch.nonzero((held & ~sent_ET).any(0) | (best_missing - worst_held > delta)).flatten()
+
+
+def _write(outs, ids, slots, starts, sizes, red) -> None:
+    """The gathered rows' slots into each shard's assignment."""
+    for rank, out, start in zip(red.ranks, outs, starts, strict=True):
+        mine = (ids >= start) & (ids < start + sizes[rank])
+        if bool(mine.any()):
+            out[ids[mine] - start] = slots[mine].to(out.device)
