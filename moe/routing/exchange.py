@@ -176,21 +176,38 @@ class _Graph:
         self.pos[slot] = new
         self._refresh(slot, b)
 
-    def _refresh(self, slot: np.ndarray, nodes: list[int]) -> None:
+    def _refresh(self, slot: np.ndarray, nodes: list[int], full: bool = False) -> None:
         """After the slots ``slot`` moved along cycles through ``nodes``: their tokens' gains
-        and the edges out of every expert whose group changed."""
+        and the edges out of every expert whose group changed. An edge a -> b is the largest
+        gain of a's group to b, so it needs a scan of the group only where a rewritten
+        position held that largest gain and holds less now; elsewhere it is the larger of
+        itself and the rewritten positions' gains (``full``: scan every edge of the touched
+        experts, for a caller that changed other positions too)."""
         k = self.out.shape[1]
         if k == 1:
             tokens, touched = slot, nodes
-            self.g[self.pos[tokens]] = self._gains(tokens)
+            at = self.pos[tokens]
         else:
             tokens = np.bincount(slot // k, minlength=self.out.shape[0]).nonzero()[0]
             held = np.bincount(self.out[tokens].ravel(), minlength=self.gain.shape[0])
             held[nodes] += 1  # an expert the holder joined lost a slot that no token now holds
             touched = held.nonzero()[0].tolist()
-            self.g[self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]] = self._gains(tokens)
+            at = self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]
+        before = self.g[at]  # the gains of the slots that left these positions (a copy)
+        after = self._gains(tokens)
+        self.g[at] = after
         for e in touched:
-            row = np.maximum.reduce(self.g[self.begin[e] : self.end[e]], axis=0)
+            lo, hi = self.begin[e], self.end[e]
+            inside = (at >= lo) & (at < hi)
+            if full or not inside.any():
+                row = np.maximum.reduce(self.g[lo:hi], axis=0)
+            else:
+                edge = self.gain[e]
+                gone, came = before[inside].max(0), after[inside].max(0)
+                row = np.maximum(edge, came)
+                rescan = np.flatnonzero((gone >= edge) & (came < edge))  # the largest gain may have left
+                if rescan.size:
+                    row[rescan] = self.g[lo:hi, rescan].max(0)
             self.gain[e] = row
             self.w_in[:, e] = row - self.delta
             if self.extra is not None and not self.extra[e]:  # the holder's edges out of e
@@ -221,7 +238,7 @@ class _Graph:
         self.pos[slot] = new
         src, dst = np.asarray(a)[holder], np.asarray(b)[holder]
         self.extra[src], self.extra[dst] = True, False  # a goes to b + 1, c to b
-        self._refresh(slot, list(a))  # the edges out of every node, the holder's included
+        self._refresh(slot, list(a), full=True)  # the edges out of every node, the holder's included
         for v in np.concatenate([src, dst]).tolist():  # the edges into the experts it left or joined
             row = self.w_in[v]
             np.subtract(self.gain[:, v], self.delta, out=row)

@@ -704,3 +704,36 @@ def test_the_numpy_path_stops_at_its_size(t, e):
     with mock.patch.object(exact_module, "_host_solve", lambda *a: taken.append(1) or real(*a)):
         balanced_assignment(torch.randn(t, e))
     assert len(taken) == (t * e <= exact_module.SMALL)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("extras", ["best", "lowest"])
+def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
+    """After every move of the exchange cycles, each edge a -> b is the largest gain of a's
+    group to b, as a scan of every group gives it, though a move rescans only the edges its
+    positions held; and the solve is the one that scans every edge of a touched expert."""
+    from moe.routing.exchange import _Graph
+
+    refresh = _Graph._refresh
+    refreshes = []
+
+    def checked(graph, slot, nodes, full=False):
+        refresh(graph, slot, nodes, full)
+        for e in range(graph.gain.shape[0]):
+            lo, hi = graph.begin[e], graph.end[e]
+            scan = np.maximum.reduce(graph.g[lo:hi], axis=0) if hi > lo else np.full(graph.gain.shape[1], -np.inf)
+            np.testing.assert_array_equal(graph.gain[e], scan)
+        refreshes.append(full)
+
+    def scans_all(graph, slot, nodes, full=False):
+        refresh(graph, slot, nodes, True)
+
+    g = torch.Generator().manual_seed(k)
+    for scores in (torch.randn(300, 12, generator=g), torch.randint(0, 3, (300, 12), generator=g).double()):
+        scores[:, :2] += 1.5  # two favourites: many cycles when the prices do no work
+        with mock.patch.object(_Graph, "_refresh", checked):
+            got = on_torch_ops(scores, k, max_iters=0, extras=extras)
+        with mock.patch.object(_Graph, "_refresh", scans_all):
+            assert torch.equal(got, on_torch_ops(scores, k, max_iters=0, extras=extras))
+        assert float(assignment_score(scores, got)) == pytest.approx(optimum(scores, k, extras=extras), rel=1e-9)
+    assert refreshes.count(False) > 20  # the incremental path ran
