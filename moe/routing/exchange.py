@@ -196,6 +196,9 @@ class _Graph:
         before = self.g[at]  # the gains of the slots that left these positions (a copy)
         after = self._gains(tokens)
         self.g[at] = after
+        if k == 1 and not full:  # node-disjoint cycles: one rewritten position per touched expert, at[i] in b[i]'s
+            self._raise_edges(np.asarray(touched), before, after)
+            return
         for e in touched:
             lo, hi = self.begin[e], self.end[e]
             inside = (at >= lo) & (at < hi)
@@ -213,6 +216,24 @@ class _Graph:
             if self.extra is not None and not self.extra[e]:  # the holder's edges out of e
                 col = self.w_in[:, e]
                 np.maximum(col, -self.delta, out=col, where=self.extra)
+
+    def _raise_edges(self, experts: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
+        """`_refresh` where each of ``experts`` had one position rewritten, from ``before`` to
+        ``after`` (one row each): all edges at once, a group scanned only for the columns
+        whose largest gain left."""
+        edge = self.gain[experts]
+        row = np.maximum(edge, after)
+        for i, j in zip(*np.nonzero((before >= edge) & (after < edge)), strict=True):  # the largest gain may have left
+            e = experts[i]
+            row[i, j] = self.g[self.begin[e] : self.end[e], j].max()
+        self.gain[experts] = row
+        self.w_in[:, experts] = row.T - self.delta
+        if self.extra is not None:  # the holder's edges out of the experts at b
+            at_base = experts[~self.extra[experts]]
+            if at_base.size:
+                cols = self.w_in[:, at_base]
+                np.maximum(cols, -self.delta, out=cols, where=self.extra[:, None])
+                self.w_in[:, at_base] = cols
 
     def _apply_with_holder(self, a: list[int], b: list[int], nxt: list[int], holder: np.ndarray) -> None:
         """`_apply` when the holder makes some of the moves (``holder``). Its move a -> c frees

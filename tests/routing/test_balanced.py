@@ -711,27 +711,34 @@ def test_the_numpy_path_stops_at_its_size(t, e):
 def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
     """After every move of the exchange cycles, each edge a -> b is the largest gain of a's
     group to b, as a scan of every group gives it, though a move rescans only the edges its
-    positions held; and the solve is the one that scans every edge of a touched expert."""
+    positions held, and Bellman-Ford's edges (the holder's included) follow; the solve is the
+    one that scans every edge of a touched expert."""
     from moe.routing.exchange import _Graph
 
-    refresh = _Graph._refresh
+    refresh, apply = _Graph._refresh, _Graph._apply
     refreshes = []
 
-    def checked(graph, slot, nodes, full=False):
+    def counted(graph, slot, nodes, full=False):
+        refreshes.append(full)
         refresh(graph, slot, nodes, full)
+
+    def checked(graph, cycles):
+        apply(graph, cycles)
         for e in range(graph.gain.shape[0]):
             lo, hi = graph.begin[e], graph.end[e]
             scan = np.maximum.reduce(graph.g[lo:hi], axis=0) if hi > lo else np.full(graph.gain.shape[1], -np.inf)
             np.testing.assert_array_equal(graph.gain[e], scan)
-        refreshes.append(full)
+        kept = graph.w_in.copy()
+        graph._rebuild_w_in()  # Bellman-Ford's edges, the holder's included, from the edges above
+        np.testing.assert_array_equal(kept, graph.w_in)
 
     def scans_all(graph, slot, nodes, full=False):
         refresh(graph, slot, nodes, True)
 
     g = torch.Generator().manual_seed(k)
-    for scores in (torch.randn(300, 12, generator=g), torch.randint(0, 3, (300, 12), generator=g).double()):
+    for scores in (torch.randn(300, 13, generator=g), torch.randint(0, 3, (300, 13), generator=g).double()):
         scores[:, :2] += 1.5  # two favourites: many cycles when the prices do no work
-        with mock.patch.object(_Graph, "_refresh", checked):
+        with mock.patch.object(_Graph, "_refresh", counted), mock.patch.object(_Graph, "_apply", checked):
             got = on_torch_ops(scores, k, max_iters=0, extras=extras)
         with mock.patch.object(_Graph, "_refresh", scans_all):
             assert torch.equal(got, on_torch_ops(scores, k, max_iters=0, extras=extras))
