@@ -726,7 +726,7 @@ def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
         apply(graph, cycles)
         for e in range(graph.gain.shape[0]):
             lo, hi = graph.begin[e], graph.end[e]
-            scan = np.maximum.reduce(graph.g[lo:hi], axis=0) if hi > lo else np.full(graph.gain.shape[1], -np.inf)
+            scan = np.maximum.reduce(graph.g[:, lo:hi], axis=1) if hi > lo else np.full(graph.gain.shape[1], -np.inf)
             np.testing.assert_array_equal(graph.gain[e], scan)
         kept = graph.w_in.copy()
         graph._rebuild_w_in()  # Bellman-Ford's edges, the holder's included, from the edges above
