@@ -362,6 +362,22 @@ def test_prices_too_far_for_the_margins_bins():
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 1)))
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_thresholds_are_the_prices_each_expert_keeps_a_token_below(k):
+    """``s[e, t]`` less the K-th best ``s - p`` of the other experts, read off a sort, ties and
+    tokens tied at their best included (K = 1 takes the two largest by two maxima)."""
+    s = make_scores(4, 60, 7, "gauss").T.contiguous()
+    s[:, :10] = 0.0  # every expert tied
+    s[2, 10:20] = s[5, 10:20]  # two tied at the top under equal prices
+    for p in (torch.zeros(7, 1, dtype=s.dtype), torch.linspace(-0.3, 0.3, 7, dtype=s.dtype)[:, None]):
+        got = price_prices.thresholds(s, p, k)
+        for t in range(s.shape[1]):
+            a = (s[:, t] - p[:, 0]).tolist()
+            for e in range(7):
+                others = sorted((a[j] for j in range(7) if j != e), reverse=True)
+                assert float(got[e, t]) == float(s[e, t] - others[k - 1]), (k, t, e)
+
+
 def test_pair_counts_count_each_token_at_its_boundary():
     """Each token once, at (its K-th expert, the next, its margin's bin), when the margin is
     inside the window; the loads are the K best under the prices."""
