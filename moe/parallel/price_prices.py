@@ -56,11 +56,12 @@ def capacities(caps: _Capacities, p_E: Tensor) -> Tensor:
 
 
 def _histogram(v_ET: Tensor, top_E1: Tensor, h_E1: Tensor) -> Tensor:
-    """(E, B + 2) int64 counts: above the window, its B bins from the top, below it."""
+    """(E, B + 2) int32 counts: above the window, its B bins from the top, below it. Overwrites
+    ``v`` (each bin's key is made in place: whole numbers below 2^24, exact in float32)."""
     num_experts = v_ET.shape[0]
-    pos = ((top_E1 - v_ET) / h_E1).floor_().clamp_(-1, BINS).long() + 1
-    key = pos + torch.arange(num_experts, device=v_ET.device)[:, None] * (BINS + 2)
-    counts = torch.bincount(key.flatten(), minlength=num_experts * (BINS + 2)).view(num_experts, BINS + 2)
+    first = torch.arange(num_experts, device=v_ET.device, dtype=v_ET.dtype)[:, None] * (BINS + 2) + 1
+    key = torch.sub(top_E1, v_ET, out=v_ET).div_(h_E1).floor_().clamp_(-1, BINS).add_(first)
+    counts = torch.bincount(key.view(-1).long(), minlength=num_experts * (BINS + 2)).view(num_experts, BINS + 2)
     return counts.to(torch.int32)  # a group's tokens fit: half the bytes on the wire
 
 

@@ -2,6 +2,7 @@
 process against the single-process solve of the stacked problem (and scipy on small cases),
 then the same code over gloo against the gathered path."""
 
+import math
 from unittest import mock
 
 import pytest
@@ -376,6 +377,23 @@ def test_thresholds_are_the_prices_each_expert_keeps_a_token_below(k):
             for e in range(7):
                 others = sorted((a[j] for j in range(7) if j != e), reverse=True)
                 assert float(got[e, t]) == float(s[e, t] - others[k - 1]), (k, t, e)
+
+
+def test_histogram_counts_each_threshold_in_its_bin():
+    """Per expert: the thresholds above the window, in each of its bins from the top (a bin
+    holds values in (top - (j + 1) h, top - j h]), and below it, as a loop over them reads it."""
+    b = price_prices.BINS
+    v = make_scores(5, 50, 6, "gauss").T.contiguous().float()
+    top = torch.linspace(-0.5, 0.5, 6)[:, None]
+    h = torch.full((6, 1), 0.05)
+    v[1, :5] = top[1, 0] - 3 * h[1, 0]  # on a bin's edge
+    want = torch.zeros(6, b + 2, dtype=torch.int32)
+    for e in range(6):
+        for x in v[e].tolist():
+            j = math.floor((float(top[e, 0]) - x) / float(h[e, 0]))
+            want[e, min(max(j, -1), b) + 1] += 1
+    got = price_prices._histogram(v.clone(), top, h)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
 
 
 def test_pair_counts_count_each_token_at_its_boundary():
