@@ -4,6 +4,7 @@ solver's thread count on a quiet and on a busy machine. CPU.
     python -m benchmarks.base_solvers --fairseq-cpp PATH/balanced_assignment.cpp
     python -m benchmarks.base_solvers --threads            # 1 thread, 2 threads, a busy core
     python -m benchmarks.base_solvers --small              # the numpy path of small problems
+    python -m benchmarks.base_solvers --run runs/base64 --step 400 --tokens 262144   # a trained router's scores
 
 fairseq's `fairseq/clib/libbase/balanced_assignment.cpp` is built from a copy outside this
 repository (torch.utils.cpp_extension, into --build-dir) and imported only here. It solves top-1
@@ -30,6 +31,7 @@ from benchmarks.routing import scores_for
 from moe.routing import assignment_score, balanced_assignment
 from moe.routing.balanced import exact as exact_module
 from moe.routing.balanced.threads import adaptive_threads
+from moe.routing.exchange import _Graph
 
 CASES = [(1024, 8), (4096, 64), (16384, 64), (16384, 256), (65536, 64)]
 # untimed solves of each contender per shape first: our solver's first solves of a size allocate
@@ -162,17 +164,59 @@ def small_table(repeats: int, seeds: int = 12) -> list[str]:
     return lines
 
 
+def _every_edge_rescanned(s: torch.Tensor) -> torch.Tensor:
+    """Our solve with the exchange cycles rescanning every edge out of each expert a move
+    touches (`exchange._Graph._refresh` with ``full``), instead of only the edges whose largest
+    gain left."""
+    refresh = _Graph._refresh
+    with mock.patch.object(_Graph, "_refresh", lambda g, slot, nodes, full=False: refresh(g, slot, nodes, True)):
+        return balanced_assignment(s)
+
+
+def run_table(run_dir: str, step: int, tokens: int, repeats: int) -> list[str]:
+    """Our solve on the scores every BASE layer of a `moe train` run's checkpoint routes
+    (``tokens`` of its data from ``step`` on, `benchmarks.global_base.run_steps`), against the
+    same solve rescanning every edge of the exchange cycles; the two take turns."""
+    from benchmarks.global_base import run_steps
+
+    lines = [
+        f"{run_dir}, checkpoint {step}, {tokens} tokens: median s of {repeats} solves (min-max)",
+        "",
+        "| layer | T x E | ours s | every edge rescanned s | ours / rescanned |",
+        "|---|---|---:|---:|---:|",
+    ]
+    (_, _, layers), *_ = run_steps(run_dir, 1, tokens, [step], 1)
+    for layer, x in enumerate(layers):
+        fns = {"ours": lambda x=x: balanced_assignment(x), "rescanned": lambda x=x: _every_edge_rescanned(x)}
+        times = timed_turns(fns, repeats, warmup=1)
+        assert torch.equal(fns["ours"](), fns["rescanned"]()), "the two ways of keeping the edges disagree"
+        ours, full = (statistics.median(times[n]) for n in ("ours", "rescanned"))
+        lines.append(
+            f"| {layer} | {x.shape[0]} x {x.shape[1]} | {ours:.2f} ({min(times['ours']):.2f}-{max(times['ours']):.2f})"
+            f" | {full:.2f} ({min(times['rescanned']):.2f}-{max(times['rescanned']):.2f}) | {ours / full:.2f} |"
+        )
+        print(lines[-1], file=sys.stderr, flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fairseq-cpp", type=Path, help="fairseq's balanced_assignment.cpp (a copy outside the repo)")
     ap.add_argument("--build-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fairseq_libbase")
     ap.add_argument("--threads", action="store_true", help="the thread-count table instead")
     ap.add_argument("--small", action="store_true", help="the numpy path of small problems against the torch ops")
+    ap.add_argument("--run", help="time the solve on a `moe train` run's router scores instead (--step, --tokens)")
+    ap.add_argument("--step", type=int, help="with --run: the checkpoint's step")
+    ap.add_argument("--tokens", type=int, default=262144, help="with --run: tokens per solve")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args(argv)
     meta = run_meta("benchmarks.base_solvers", argv)
     print(f"{meta['command']} | {meta['machine']} | torch {meta['torch']} | {meta['date']} | load {os.getloadavg()}")
-    if args.threads:
+    if args.run:
+        if args.step is None:
+            ap.error("--run needs --step (the checkpoint)")
+        lines = run_table(args.run, args.step, args.tokens, args.repeats)
+    elif args.threads:
         lines = thread_table(args.repeats)
     elif args.small:
         lines = small_table(args.repeats)

@@ -1,5 +1,7 @@
 """The benchmark scripts run and report what they claim, at tiny sizes (no timings asserted)."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -163,6 +165,31 @@ def test_base_solvers_small_table_times_both_paths(monkeypatch):
     assert [line.split("|")[1].strip() for line in lines[4:]] == ["64 x 4", "8192 x 4"]
     # per draw: a warm-up, 2 timed solves and the check of the totals take the numpy path
     assert len(taken) == 2 * 2 * (1 + 2 + 1)
+
+
+def test_base_solvers_times_a_runs_router_scores_both_ways(tmp_path, capsys):
+    from benchmarks import base_solvers
+    from moe.routing.exchange import _Graph
+
+    from .train.run import TINY, corpus, moe
+
+    run_dir = tmp_path / "run"
+    moe("train", *TINY, "--data", corpus(tmp_path), "--router", "base", "--experts", 8, "--top-k", 1, "--steps", 2,
+        "--checkpoint-every", 2, "--out", run_dir)  # fmt: skip
+    full = []
+    refresh = _Graph._refresh
+
+    def counted(graph, slot, nodes, f=False):
+        full.append(f)
+        refresh(graph, slot, nodes, f)
+
+    with mock.patch.object(_Graph, "_refresh", counted):
+        base_solvers.main(["--run", str(run_dir), "--step", "2", "--tokens", "512", "--repeats", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x 8" in line]
+    assert [r.split("|")[1:3] for r in rows] == [[" 0 ", " 512 x 8 "], [" 1 ", " 512 x 8 "]]  # both BASE layers
+    assert True in full and False in full  # the rescanning contender rescans, ours does not
+    with pytest.raises(SystemExit):
+        base_solvers.main(["--run", str(run_dir)])  # no --step
 
 
 def test_global_base_benchmark_rows_on_random_and_training_scores():
