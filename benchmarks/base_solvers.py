@@ -164,30 +164,37 @@ def small_table(repeats: int, seeds: int = 12) -> list[str]:
     return lines
 
 
-def _every_edge_rescanned(s: torch.Tensor) -> torch.Tensor:
+def _every_edge_rescanned(s: torch.Tensor, k: int = 1, **options) -> torch.Tensor:
     """Our solve with the exchange cycles rescanning every edge out of each expert a move
     touches (`exchange._Graph._refresh` with ``full``), instead of only the edges whose largest
     gain left."""
     refresh = _Graph._refresh
     with mock.patch.object(_Graph, "_refresh", lambda g, slot, nodes, full=False: refresh(g, slot, nodes, True)):
-        return balanced_assignment(s)
+        return balanced_assignment(s, k, **options)
 
 
 def run_table(run_dir: str, step: int, tokens: int, repeats: int) -> list[str]:
     """Our solve on the scores every BASE layer of a `moe train` run's checkpoint routes
     (``tokens`` of its data from ``step`` on, `benchmarks.global_base.run_steps`), against the
     same solve rescanning every edge of the exchange cycles; the two take turns."""
-    from benchmarks.global_base import run_steps
+    from benchmarks.global_base import run_model_config, run_steps
 
+    router = run_model_config(run_dir).moe.router_config()  # the router's own K and options
+    k, options = router.top_k, {"extras": router.base_extras}
+    if router.base_max_iters is not None:
+        options["max_iters"] = router.base_max_iters
     lines = [
-        f"{run_dir}, checkpoint {step}, {tokens} tokens: median s of {repeats} solves (min-max)",
+        f"{run_dir}, checkpoint {step}, {tokens} tokens, K = {k}, {options}: median s of {repeats} solves (min-max)",
         "",
         "| layer | T x E | ours s | every edge rescanned s | ours / rescanned |",
         "|---|---|---:|---:|---:|",
     ]
     (_, _, layers), *_ = run_steps(run_dir, 1, tokens, [step], 1)
     for layer, x in enumerate(layers):
-        fns = {"ours": lambda x=x: balanced_assignment(x), "rescanned": lambda x=x: _every_edge_rescanned(x)}
+        fns = {
+            "ours": lambda x=x: balanced_assignment(x, k, **options),
+            "rescanned": lambda x=x: _every_edge_rescanned(x, k, **options),
+        }
         times = timed_turns(fns, repeats, warmup=1)
         assert torch.equal(fns["ours"](), fns["rescanned"]()), "the two ways of keeping the edges disagree"
         ours, full = (statistics.median(times[n]) for n in ("ours", "rescanned"))

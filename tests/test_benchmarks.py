@@ -174,20 +174,20 @@ def test_base_solvers_times_a_runs_router_scores_both_ways(tmp_path, capsys):
     from .train.run import TINY, corpus, moe
 
     run_dir = tmp_path / "run"
-    moe("train", *TINY, "--data", corpus(tmp_path), "--router", "base", "--experts", 8, "--top-k", 1, "--steps", 2,
+    moe("train", *TINY, "--data", corpus(tmp_path), "--router", "base", "--experts", 8, "--top-k", 2, "--steps", 2,
         "--checkpoint-every", 2, "--out", run_dir)  # fmt: skip
-    full = []
+    seen = []
     refresh = _Graph._refresh
 
-    def counted(graph, slot, nodes, f=False):
-        full.append(f)
-        refresh(graph, slot, nodes, f)
+    def counted(graph, slot, nodes, full=False):
+        seen.append(full)
+        refresh(graph, slot, nodes, full)
 
     with mock.patch.object(_Graph, "_refresh", counted):
         base_solvers.main(["--run", str(run_dir), "--step", "2", "--tokens", "512", "--repeats", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x 8" in line]
     assert [r.split("|")[1:3] for r in rows] == [[" 0 ", " 512 x 8 "], [" 1 ", " 512 x 8 "]]  # both BASE layers
-    assert True in full and False in full  # the rescanning contender rescans, ours does not
+    assert True in seen and False in seen  # the rescanning contender rescans, ours does not
     with pytest.raises(SystemExit):
         base_solvers.main(["--run", str(run_dir)])  # no --step
 

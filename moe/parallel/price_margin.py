@@ -16,7 +16,7 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    (`RowLayout`), and no index: the rows come in rank order, and each rank knows which of its
    tokens it sent; the other columns count as ``UNSENT``, below every score. Fewer rows in the
    band than asked for (2E, or an eighth of the tokens where the price updates reached their
-   cap or stalled: `price_base`) widen it first, to the bin edge with enough below it (one
+   cap or stalled and no pair rounds followed: `price_base`) widen it first, to the bin edge with enough below it (one
    more sum): so thin a margin leaves the cycles too few moves to take up the loads' last
    misses, the certificate's prices move far from the picks' and many fixed tokens fail. Each
    expert has its own band, which a token takes at the widest of its slots': where the fixed

@@ -37,7 +37,7 @@ def thresholds(s_ET: Tensor, p_E1: Tensor, k: int) -> Tensor:
     """(E, T): the price of e below which token t keeps e among its K best under the other
     prices: ``s[e, t]`` less the K-th best ``s - p`` of the other experts."""
     a = s_ET - p_E1
-    if k == 1:  # the two largest by two maxima: the same values as topk's, in a third of its time
+    if k == 1:  # the two largest by two maxima: the same values as topk's, in about 0.6 of its time
         best = a.amax(0)
         mine = a == best
         second = torch.where(mine.sum(0) > 1, best, a.masked_fill(mine, float("-inf")).amax(0))
@@ -61,7 +61,7 @@ def _histogram(v_ET: Tensor, top_E1: Tensor, h_E1: Tensor) -> Tensor:
     num_experts = v_ET.shape[0]
     first = torch.arange(num_experts, device=v_ET.device, dtype=v_ET.dtype)[:, None] * (BINS + 2) + 1
     key = torch.sub(top_E1, v_ET, out=v_ET).div_(h_E1).floor_().clamp_(-1, BINS).add_(first)
-    counts = torch.bincount(key.view(-1).long(), minlength=num_experts * (BINS + 2)).view(num_experts, BINS + 2)
+    counts = torch.bincount(key.reshape(-1).long(), minlength=num_experts * (BINS + 2)).view(num_experts, BINS + 2)
     return counts.to(torch.int32)  # a group's tokens fit: half the bytes on the wire
 
 
