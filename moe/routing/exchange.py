@@ -58,15 +58,18 @@ def violations(s_ET: Tensor, prices_E: Tensor, out_TK: Tensor, band: float) -> T
     return torch.nonzero(best_free - worst_held > band).flatten()
 
 
+SCAN_WHOLE = 1 << 15  # positions below which a touched group is rescanned whole (cheaper than finding its edges)
+
+
 class _Graph:
     """The exchange graph over the C candidate tokens, kept up to date as tokens move.
 
     Holds the candidates' scores (E, C) and slots (C, K). The C * K slots sit in positions
     grouped by their expert: a cycle keeps every load, so each group keeps its size, and a slot
     that moves along a cycle takes the position that the slot leaving its new expert frees.
-    ``g[:, pos]`` (E, C * K) is the gain of moving the slot at ``pos`` to every expert (-inf to
-    the experts its token holds; each expert's gains contiguous, as the scans of one edge read
-    them), and the edge a -> b is the largest ``g[b, pos]`` over a's group, so a cycle
+    ``g[pos]`` (C * K, E) is the gain of moving the slot at ``pos`` to every expert (-inf to
+    the experts its token holds), and the edge a -> b is the largest ``g[pos, b]`` over a's
+    group, so a cycle
     recomputes only its tokens' columns of ``g`` and the edges out of the experts it touches,
     each rescanned only where its largest gain left. Bellman-Ford reads the edges transposed
     and less ``delta``, as ``w_in``, kept alongside.
@@ -111,8 +114,7 @@ class _Graph:
         self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)  # gain[a, b]: a -> b
         group = torch.from_numpy(group)[:, None].expand(-1, num_experts)
         torch.from_numpy(self.gain).scatter_reduce_(0, group, torch.from_numpy(g), reduce="amax")
-        self.g = np.ascontiguousarray(g.T)
-        del g
+        self.g = g
         self._rebuild_w_in()
         self.through = np.empty_like(self.w_in)
         self.parent = np.empty(num_experts + 1, dtype=np.int64)
@@ -154,7 +156,7 @@ class _Graph:
         k = self.out.shape[1]
         for i, (src, dst) in enumerate(zip(a, b, strict=True)):
             lo = self.begin[src]
-            hit = (self.g[dst, lo : self.end[src]] == self.gain[src, dst]).nonzero()[0] + lo
+            hit = (self.g[lo : self.end[src], dst] == self.gain[src, dst]).nonzero()[0] + lo
             found[i] = hit[np.argmin(self.slot[hit] // k)] if hit.size > 1 else hit[0]
         return found
 
@@ -196,9 +198,10 @@ class _Graph:
             held[nodes] += 1  # an expert the holder joined lost a slot that no token now holds
             touched = held.nonzero()[0].tolist()
             at = self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]
-        before = self.g[:, at].T  # the gains of the slots that left these positions (a copy)
+        full = full or self.g.shape[0] < SCAN_WHOLE  # small groups: a whole scan costs less
+        before = self.g[at]  # the gains of the slots that left these positions (a copy)
         after = self._gains(tokens)
-        self.g[:, at] = after.T
+        self.g[at] = after
         if k == 1 and not full:  # node-disjoint cycles: one rewritten position per touched expert, at[i] in b[i]'s
             self._raise_edges(np.asarray(touched), before, after)
             return
@@ -206,14 +209,14 @@ class _Graph:
             lo, hi = self.begin[e], self.end[e]
             inside = (at >= lo) & (at < hi)
             if full or not inside.any():
-                row = np.maximum.reduce(self.g[:, lo:hi], axis=1)
+                row = np.maximum.reduce(self.g[lo:hi], axis=0)
             else:
                 edge = self.gain[e]
                 gone, came = before[inside].max(0), after[inside].max(0)
                 row = np.maximum(edge, came)
                 rescan = np.flatnonzero((gone >= edge) & (came < edge))  # the largest gain may have left
                 if rescan.size:
-                    row[rescan] = self.g[rescan, lo:hi].max(1)
+                    row[rescan] = self.g[lo:hi, rescan].max(0)
             self.gain[e] = row
             self.w_in[:, e] = row - self.delta
             if self.extra is not None and not self.extra[e]:  # the holder's edges out of e
@@ -226,9 +229,14 @@ class _Graph:
         whose largest gain left."""
         edge = self.gain[experts]
         row = np.maximum(edge, after)
-        for i, j in zip(*np.nonzero((before >= edge) & (after < edge)), strict=True):  # the largest gain may have left
-            e = experts[i]
-            row[i, j] = self.g[j, self.begin[e] : self.end[e]].max()
+        rescan = (before >= edge) & (after < edge)  # the largest gain may have left
+        for i in np.flatnonzero(rescan.any(1)):  # one call per expert: a small group is cheaper whole
+            lo, hi = self.begin[experts[i]], self.end[experts[i]]
+            cols = np.flatnonzero(rescan[i])
+            if 4 * cols.size > row.shape[1]:
+                row[i] = np.maximum.reduce(self.g[lo:hi], axis=0)
+            else:
+                row[i, cols] = self.g[lo:hi, cols].max(0)
         self.gain[experts] = row
         self.w_in[:, experts] = row.T - self.delta
         if self.extra is not None:  # the holder's edges out of the experts at b
@@ -256,7 +264,7 @@ class _Graph:
                 new[j] = lo + np.flatnonzero(self.slot[lo:hi] < 0)[0]
         freed = pos[real[holder[prev[real]]]]  # the slots leaving experts that the holder joins
         self.slot[freed] = -1
-        self.g[:, freed] = -np.inf
+        self.g[freed] = -np.inf
         self.out.ravel()[slot] = np.asarray(b)[real]
         self.slot[new] = slot
         self.pos[slot] = new

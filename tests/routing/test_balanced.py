@@ -713,6 +713,7 @@ def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
     group to b, as a scan of every group gives it, though a move rescans only the edges its
     positions held, and Bellman-Ford's edges (the holder's included) follow; the solve is the
     one that scans every edge of a touched expert."""
+    from moe.routing import exchange
     from moe.routing.exchange import _Graph
 
     refresh, apply = _Graph._refresh, _Graph._apply
@@ -726,7 +727,7 @@ def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
         apply(graph, cycles)
         for e in range(graph.gain.shape[0]):
             lo, hi = graph.begin[e], graph.end[e]
-            scan = np.maximum.reduce(graph.g[:, lo:hi], axis=1) if hi > lo else np.full(graph.gain.shape[1], -np.inf)
+            scan = np.maximum.reduce(graph.g[lo:hi], axis=0) if hi > lo else np.full(graph.gain.shape[1], -np.inf)
             np.testing.assert_array_equal(graph.gain[e], scan)
         kept = graph.w_in.copy()
         graph._rebuild_w_in()  # Bellman-Ford's edges, the holder's included, from the edges above
@@ -738,7 +739,11 @@ def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
     g = torch.Generator().manual_seed(k)
     for scores in (torch.randn(300, 13, generator=g), torch.randint(0, 3, (300, 13), generator=g).double()):
         scores[:, :2] += 1.5  # two favourites: many cycles when the prices do no work
-        with mock.patch.object(_Graph, "_refresh", counted), mock.patch.object(_Graph, "_apply", checked):
+        with (
+            mock.patch.object(_Graph, "_refresh", counted),
+            mock.patch.object(_Graph, "_apply", checked),
+            mock.patch.object(exchange, "SCAN_WHOLE", 0),  # the incremental edges at any size
+        ):
             got = on_torch_ops(scores, k, max_iters=0, extras=extras)
         with mock.patch.object(_Graph, "_refresh", scans_all):
             assert torch.equal(got, on_torch_ops(scores, k, max_iters=0, extras=extras))
