@@ -187,7 +187,7 @@ def test_base_solvers_times_a_runs_router_scores_both_ways(tmp_path, capsys):
         base_solvers.main(["--run", str(run_dir), "--step", "2", "--tokens", "512", "--repeats", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x 8" in line]
     assert [r.split("|")[1:3] for r in rows] == [[" 0 ", " 512 x 8 "], [" 1 ", " 512 x 8 "]]  # both BASE layers
-    assert True in seen and False in seen  # the rescanning contender rescans, ours does not
+    assert seen.count(True) > 0 and seen.count(False) > 0  # the rescanning contender rescans, ours does not
     with pytest.raises(SystemExit):
         base_solvers.main(["--run", str(run_dir)])  # no --step
 

@@ -199,7 +199,7 @@ class _Graph:
             touched = held.nonzero()[0].tolist()
             at = self.pos[(tokens[:, None] * k + np.arange(k)).ravel()]
         full = full or self.g.shape[0] < SCAN_WHOLE  # small groups: a whole scan costs less
-        before = self.g[at]  # the gains of the slots that left these positions (a copy)
+        before = None if full else self.g[at]  # the gains of the slots that left these positions (a copy)
         after = self._gains(tokens)
         self.g[at] = after
         if k == 1 and not full:  # node-disjoint cycles: one rewritten position per touched expert, at[i] in b[i]'s
@@ -207,7 +207,7 @@ class _Graph:
             return
         for e in touched:
             lo, hi = self.begin[e], self.end[e]
-            inside = (at >= lo) & (at < hi)
+            inside = None if full else (at >= lo) & (at < hi)
             if full or not inside.any():
                 row = np.maximum.reduce(self.g[lo:hi], axis=0)
             else:
