@@ -25,7 +25,11 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    eighth of the tokens the margin would otherwise hold: the
    tokens counted by the pair of experts they stand between and their margin, from which
    every rank moves the prices alike; one max of the prices and the last move then agrees
-   on their bits;
+   on their bits. Where they would cost more (E = 256) and the stalled prices were a
+   previous call's, the local start runs too, with its own updates, and the solve keeps
+   whichever prices leave the loads' smaller miss: a previous call's prices are the optimum
+   of other tokens, and on a trained router's scores they can sit further from this call's
+   than the ranks' own solves of it;
 3. the margin (`price_margin`): every token picks its K best under the prices; those whose
    K-th choice is ahead of the next by less than a band (the last price move, per expert, grown
    where the fixed tokens overfill an expert or the gathered rows cannot fill one) travel as
@@ -184,7 +188,9 @@ def price_balanced_assignment(
         max_cycles: cap on the exchange cycles; None allows N * K + E.
         local_start: without ``prices`` and on more than one rank, start from the per-expert
             median of every rank's prices for its own tokens alone (`_local_start`: one gather
-            of W x E float32, and a solve of the local tokens); False: from zero prices.
+            of W x E float32, and a solve of the local tokens); False: from zero prices. With
+            ``prices`` whose updates stall where the pair rounds do not pay, the local start
+            is tried as well (above).
         round_bytes: what one more round of collectives costs, as the bytes a rank receives in
             the time of its latency (e.g. 50 us at 25 GB/s: 1.25e6); the pair rounds run only
             where their bytes and rounds at this price cost less than the wide margin they
@@ -221,22 +227,29 @@ def price_balanced_assignment(
             start = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)
         if max_price_iters is None:
             max_price_iters = PRICE_ITERS[start is not None]
-        p, stats.price_updates, width, converged = jacobi_prices(
+        p, stats.price_updates, width, converged, miss = jacobi_prices(
             s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
         row = margin_row_bytes(total, num_experts, k, dtype)
-        if (
-            start is not None
-            and not converged
-            and max_price_iters > 0
-            and pair_rounds_pay(num_experts, CAPPED_SHARE * total * row, round_bytes)
-        ):
-            # warm, stalled or capped: the pair rounds cost less than the wide margin they spare
-            # (their windows suit a previous call's prices, a few 1e-3 off; the cold updates'
-            # slow modes are further, and there they widened the margin)
-            p, n, width = pair_prices(s_parts, caps, k, red, p)
-            stats.price_updates += n
-            converged = True
+        if start is not None and not converged and max_price_iters > 0:
+            if pair_rounds_pay(num_experts, CAPPED_SHARE * total * row, round_bytes):
+                # warm, stalled or capped: the pair rounds cost less than the wide margin they spare
+                # (their windows suit a previous call's prices, a few 1e-3 off; the cold updates'
+                # slow modes are further, and there they widened the margin)
+                p, n, width = pair_prices(s_parts, caps, k, red, p)
+                stats.price_updates += n
+                converged = True
+            elif prices is not None and local_start and red.world > 1:
+                # a previous call's prices stalled and the pair rounds cost more than they spare:
+                # the local start too, and whichever prices leave the loads' smaller miss
+                local = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)
+                if local is not None:
+                    q, n, q_width, q_converged, q_miss = jacobi_prices(
+                        s_parts, caps, k, red, local, max_iters=max_price_iters, tol=num_experts
+                    )
+                    stats.price_updates += n
+                    if q_miss is not None and (miss is None or q_miss < miss):
+                        p, width, converged = q, q_width, q_converged
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles

@@ -80,7 +80,7 @@ def _crossing(counts_EB: Tensor, cap_E: Tensor, top_E: Tensor, h_E: Tensor) -> T
 
 def jacobi_prices(
     s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor | None, *, max_iters: int, tol: int
-) -> tuple[Tensor, int, float, bool]:
+) -> tuple[Tensor, int, float, bool, int | None]:
     """Damped Jacobi prices over every rank's tokens, from ``p`` (None: zeros, a cold start).
 
     Stops once the loads under the prices miss the capacities by at most ``tol`` slots in all
@@ -88,7 +88,9 @@ def jacobi_prices(
     ``1 - STALL`` off the miss (stalled: on a trained router's scores the miss then falls a few
     percent an update, and each update is a round). Returns the prices (E,) float64 (the same
     on every rank: they follow from summed integer counts), the updates run, the last move
-    (what the prices are known to within, roughly) and whether they converged."""
+    (what the prices are known to within, roughly), whether they converged, and the loads'
+    last measured miss in slots (at the returned prices where the updates stopped early, at
+    the ones before the last move where they reached ``max_iters``; None where none ran)."""
     num_experts = s_parts[0].shape[0]
     device = s_parts[0].device
     dtype = s_parts[0].dtype
@@ -106,15 +108,15 @@ def jacobi_prices(
         loads = counts[:, : BINS // 2 + 1].sum(1)  # thresholds above p: the tokens that pick e now
         misses.append(int((loads - cap_E).abs().sum()))
         if misses[-1] <= tol:
-            return p, it, step, True
+            return p, it, step, True, misses[-1]
         if not cold and it >= 2 and misses[-1] > STALL * misses[-3]:
-            return p, it, step, False
+            return p, it, step, False, misses[-1]
         q = _crossing(counts, cap_E, top, h)
         move = OMEGA * (q - p)
         p = p + move
         step = float(move.abs().max())
         width = min(COLD_WIDTH, max(4 * step, 1e-6))
-    return p, max_iters, step, False
+    return p, max_iters, step, False, misses[-1] if misses else None
 
 
 # Where the Jacobi updates stall (a trained router: many experts within a hair of each other

@@ -181,15 +181,78 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     ref = float(assignment_score(x, balanced_assignment(x, 1)))
     cold, prices, cold_stats = solve_simulated(x, sizes, 1, "best", local_start=False)
     assert cold_stats.price_updates == price_base.PRICE_ITERS[0]  # from zero prices they run to their cap
-    warm, _, stats = solve_simulated(x, sizes, 1, "best", prices)
+    # local_start=False: the stall rule alone (where it stalls without pair rounds, a warm
+    # call also tries the local start: the test below)
+    warm, _, stats = solve_simulated(x, sizes, 1, "best", prices, local_start=False)
     assert stats.price_updates == 2 and stats.rounds < cold_stats.rounds // 2
     assert stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
     for got in (cold, warm):
         check_feasible(got, sum(sizes), 16, 1)
         assert abs(float(assignment_score(x, got)) - ref) <= 2 * tol
     with mock.patch.object(price_prices, "STALL", float("inf")):
-        _, _, slow = solve_simulated(x, sizes, 1, "best", prices)
+        _, _, slow = solve_simulated(x, sizes, 1, "best", prices, local_start=False)
     assert slow.price_updates == price_base.PRICE_ITERS[1]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_stalled_warm_start_without_pair_rounds_tries_the_local_start(k):
+    """Warm started from the draw's own optimal prices moved by 0.3% of the range (even draws)
+    or 1% (odd ones), capped at one update, where the pair rounds would cost more than they
+    spare: the local start and its update run too, and the solve keeps whichever prices leave
+    the loads' smaller miss (both outcomes occur over the draws). The result is the single-process
+    solver's either way; with pair rounds that pay, or without a previous call's prices, no
+    second start."""
+    sizes = [150 + 7 * i for i in range(6)]
+    runs, starts, solved = [], [], []  # of the group's solve (the local starts' own solves are left out)
+    real_jacobi, real_start, real_margin = price_base.jacobi_prices, price_base._local_start, price_base.solve_margin
+
+    def jacobi(s_parts, *a, **kw):
+        got = real_jacobi(s_parts, *a, **kw)
+        if len(s_parts) == len(sizes):
+            runs.append(got)
+        return got
+
+    def local(*a, **kw):
+        starts.append(real_start(*a, **kw))
+        return starts[-1]
+
+    def margin(s_parts, starts_, sizes_, p, *a):
+        if len(s_parts) == len(sizes):
+            solved.append(p)
+        return real_margin(s_parts, starts_, sizes_, p, *a)
+
+    kept = set()
+    for seed in range(4):
+        x = make_scores(seed, sum(sizes), 16, "gauss")
+        rng = float((x.amax(1) - x.amin(1)).amax())
+        g = torch.Generator().manual_seed(seed)
+        _, own, _ = price_balanced_assignment(split(x, sizes), k, ShardReduce(6))
+        far = own + (0.01 if seed % 2 else 0.003) * rng * torch.randn(16, generator=g, dtype=torch.float64)
+        runs.clear(), starts.clear(), solved.clear()
+        with (
+            mock.patch.object(price_base, "jacobi_prices", jacobi),
+            mock.patch.object(price_base, "_local_start", local),
+            mock.patch.object(price_base, "solve_margin", margin),
+            mock.patch.object(price_base, "pair_rounds_pay", lambda *a: False),
+        ):
+            out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(6), prices=far, max_price_iters=1)
+        assert len(starts) == 1 and len(runs) == 2 and not runs[0][3], runs  # warm stopped short: the local start too
+        assert stats.price_updates == runs[0][1] + runs[1][1]
+        smaller = runs[1] if runs[1][4] < runs[0][4] else runs[0]
+        assert len(solved) == 1 and torch.equal(solved[0], smaller[0])
+        kept.add(smaller is runs[1])
+        assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
+        runs.clear(), starts.clear()
+        with (
+            mock.patch.object(price_base, "jacobi_prices", jacobi),
+            mock.patch.object(price_base, "_local_start", local),
+        ):
+            with mock.patch.object(price_base, "pair_rounds_pay", lambda *a: True):
+                price_balanced_assignment(split(x, sizes), k, ShardReduce(6), prices=far, max_price_iters=1)
+            assert not starts and len(runs) == 1  # the pair rounds instead
+            price_balanced_assignment(split(x, sizes), k, ShardReduce(6), max_price_iters=1)
+            assert len(starts) == 1 and len(runs) == 2  # a cold call: its one local start, no second
+    assert kept == {True, False}
 
 
 def flat_scores(seed: int, num_tokens: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +284,7 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     even = (spared - price_prices.pair_bytes(8)) / (price_prices.PAIR_ROUNDS + 1)
     for round_bytes, runs in ((0.99 * even, True), (1.01 * even, False)):
         got, _, st = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1,
-                                               round_bytes=round_bytes)  # fmt: skip
+                                               round_bytes=round_bytes, local_start=False)  # fmt: skip
         assert (st.price_updates > 1) == runs, (round_bytes, st)
         assert torch.equal(same_order(torch.cat(got)), same_order(torch.cat(out)))
     assert st.margin_rows >= price_base.CAPPED_SHARE * sum(sizes) and st.rounds < stats.rounds
