@@ -25,8 +25,9 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    eighth of the tokens the margin would otherwise hold: the
    tokens counted by the pair of experts they stand between and their margin, from which
    every rank moves the prices alike; one max of the prices and the last move then agrees
-   on their bits. Where they would cost more (E = 256) and the stalled prices were a
-   previous call's, the local start runs too, with its own updates, and the solve keeps
+   on their bits. Where they would cost more (E = 256), the stalled prices were a previous
+   call's, and the local start's gather and updates cost less than that eighth
+   (`price_prices.local_start_pays`), the local start runs too, and the solve keeps
    whichever prices leave the loads' smaller miss: a previous call's prices are the optimum
    of other tokens, and on a trained router's scores they can sit further from this call's
    than the ranks' own solves of it;
@@ -61,7 +62,7 @@ from torch import Tensor
 from ..routing.balanced import _Capacities, _check, _check_extras, _jitter_pattern, _sub_transposed
 from ..routing.config import check_float
 from .price_margin import solve_margin
-from .price_prices import capacities, jacobi_prices, pair_prices, pair_rounds_pay
+from .price_prices import capacities, jacobi_prices, local_start_pays, pair_prices, pair_rounds_pay
 from .price_rows import margin_row_bytes
 from .reduction import Reduction, ShardReduce
 
@@ -231,15 +232,21 @@ def price_balanced_assignment(
             s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
         )
         row = margin_row_bytes(total, num_experts, k, dtype)
+        spared = CAPPED_SHARE * total * row  # what a margin of the capped eighth would send
         if start is not None and not converged and max_price_iters > 0:
-            if pair_rounds_pay(num_experts, CAPPED_SHARE * total * row, round_bytes):
+            if pair_rounds_pay(num_experts, spared, round_bytes):
                 # warm, stalled or capped: the pair rounds cost less than the wide margin they spare
                 # (their windows suit a previous call's prices, a few 1e-3 off; the cold updates'
                 # slow modes are further, and there they widened the margin)
                 p, n, width = pair_prices(s_parts, caps, k, red, p)
                 stats.price_updates += n
                 converged = True
-            elif prices is not None and local_start and red.world > 1:
+            elif (
+                prices is not None
+                and local_start
+                and red.world > 1
+                and local_start_pays(red.world, num_experts, max_price_iters, spared, round_bytes)
+            ):
                 # a previous call's prices stalled and the pair rounds cost more than they spare:
                 # the local start too, and whichever prices leave the loads' smaller miss
                 local = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)

@@ -20,7 +20,10 @@ This model is of separated (random) scores by default. A trained router's scores
 counts (and their 4 more rounds, at the router config's ``base_round_bytes`` each) cost less
 than the eighth of the tokens the margin would otherwise hold, the solver's own rule
 (`price_prices.pair_rounds_pay`); docs/scale.md costs that case with the replay's measured
-updates and margin.
+updates and margin. Where they do not run, a stalled warm solve also tries the local start
+(`restarts`) where its gather and `PRICE_UPDATES` more updates cost less than that eighth
+(`price_prices.local_start_pays`): their rounds and bytes, and the rank's solve of its own
+tokens, counted as `PASSES` more passes over its scores.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE
-from ..parallel.price_prices import PAIR_ROUNDS, pair_bytes, pair_rounds_pay
+from ..parallel.price_prices import PAIR_ROUNDS, local_start_pays, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import margin_row_bytes
 from .layout import Layout
 
@@ -40,6 +43,7 @@ __all__ = [
     "global_base_bytes",
     "global_base_s",
     "pair_rounds",
+    "restarts",
     "uses_global_base",
 ]
 
@@ -75,6 +79,17 @@ def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
     return pair_rounds_pay(cfg.moe.num_experts, spared, cfg.moe.router_config().base_round_bytes)
 
 
+def restarts(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
+    """Whether a stalled solve also runs the local start: the pair rounds do not run, and its
+    gather and updates cost less than the eighth of the tokens at the margin, at the router
+    config's ``base_round_bytes`` a round (`price_base.price_balanced_assignment`)."""
+    if not STALLED or pair_rounds(cfg, lay, tokens):
+        return False
+    spared = CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
+    round_bytes = cfg.moe.router_config().base_round_bytes
+    return local_start_pays(lay.ep, cfg.moe.num_experts, PRICE_UPDATES, spared, round_bytes)
+
+
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     """Bytes one rank receives in one solve of one layer."""
     W, E = lay.ep, cfg.moe.num_experts
@@ -89,12 +104,14 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
         share = max(share, CAPPED_SHARE)
     rows = max(share * W * tokens, 2 * E) * _row(cfg, lay, tokens)
     certificate = 2 * reduce * 2 * W * 8
-    return header + prices + pair_counts + counts + rows + certificate
+    restart = W * E * 4 + PRICE_UPDATES * reduce * 18 * E * 4 if restarts(cfg, lay, tokens) else 0
+    return header + prices + pair_counts + counts + rows + certificate + restart
 
 
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
-    pairs = pair_rounds(cfg, lay, tokens)
-    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 1 if pairs else 0)
-    local = (PASSES + (PAIR_ROUNDS if pairs else 0)) * tokens * cfg.moe.num_experts * 4 / hbm_bw
+    pairs, restart = pair_rounds(cfg, lay, tokens), restarts(cfg, lay, tokens)
+    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 1 if pairs else 0) + (1 + PRICE_UPDATES if restart else 0)
+    passes = PASSES + (PAIR_ROUNDS if pairs else 0) + (2 * PASSES if restart else 0)  # its local solve and updates
+    local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

@@ -200,8 +200,8 @@ def test_a_stalled_warm_start_without_pair_rounds_tries_the_local_start(k):
     or 1% (odd ones), capped at one update, where the pair rounds would cost more than they
     spare: the local start and its update run too, and the solve keeps whichever prices leave
     the loads' smaller miss (both outcomes occur over the draws). The result is the single-process
-    solver's either way; with pair rounds that pay, or without a previous call's prices, no
-    second start."""
+    solver's either way; with pair rounds that pay, where the start's gather and updates would
+    cost more than the margin at stake, or without a previous call's prices, no second start."""
     sizes = [150 + 7 * i for i in range(6)]
     runs, starts, solved = [], [], []  # of the group's solve (the local starts' own solves are left out)
     real_jacobi, real_start, real_margin = price_base.jacobi_prices, price_base._local_start, price_base.solve_margin
@@ -250,8 +250,14 @@ def test_a_stalled_warm_start_without_pair_rounds_tries_the_local_start(k):
             with mock.patch.object(price_base, "pair_rounds_pay", lambda *a: True):
                 price_balanced_assignment(split(x, sizes), k, ShardReduce(6), prices=far, max_price_iters=1)
             assert not starts and len(runs) == 1  # the pair rounds instead
+            runs.clear()
+            with mock.patch.object(price_base, "pair_rounds_pay", lambda *a: False):
+                with mock.patch.object(price_base, "local_start_pays", lambda *a: False):
+                    price_balanced_assignment(split(x, sizes), k, ShardReduce(6), prices=far, max_price_iters=1)
+            assert not starts and len(runs) == 1  # nor where its gather and updates cost more than the margin at stake
+            runs.clear()
             price_balanced_assignment(split(x, sizes), k, ShardReduce(6), max_price_iters=1)
-            assert len(starts) == 1 and len(runs) == 2  # a cold call: its one local start, no second
+            assert len(starts) == 1 and len(runs) == 1  # a cold call: its one local start, no second
     assert kept == {True, False}
 
 

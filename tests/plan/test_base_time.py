@@ -43,7 +43,8 @@ def test_bytes_match_the_simulated_solver():
 def test_stalled_updates_pay_the_pair_rounds_where_they_spare_bytes():
     """A trained router's scores (`STALLED`): at W = 64, T = 4096, E = 64 the pair rounds' counts
     (197 KB) cost less than an eighth of the tokens at the margin (655 KB), so a solve pays
-    them and their rounds; at W = 8 they would cost more, and the margin holds that eighth."""
+    them and their rounds; at W = 8 they would cost more, and the margin holds that eighth,
+    after the local start tried as well (its gather and updates, 39 KB, cost less: `restarts`)."""
     cfg = dataclasses.replace(_base("deepseek-v3-like"), moe=dataclasses.replace(_base("deepseek-v3-like").moe,
                               num_experts=64, top_k=1))  # fmt: skip
     for ep, runs in ((64, True), (8, False)):
@@ -51,17 +52,21 @@ def test_stalled_updates_pay_the_pair_rounds_where_they_spare_bytes():
         plain = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
         with mock.patch.object(base_time, "STALLED", True):
             assert base_time.pair_rounds(cfg, lay, 4096) == runs
+            assert base_time.restarts(cfg, lay, 4096) == (not runs)
             stalled = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
+        reduce = 2 * (ep - 1) / ep
         if runs:
-            reduce = 2 * (ep - 1) / ep
             assert stalled[0] - plain[0] == pytest.approx(reduce * (pair_bytes(64) + 65 * 8))
             assert stalled[1] - plain[1] >= (PAIR_ROUNDS + 1) * base_time.ROUND_LATENCY_S
-        else:  # no pair rounds: the margin holds the cap's eighth, in the same rounds
+        else:  # no pair rounds: the margin holds the cap's eighth, after the local start's gather and updates
             rows = CAPPED_SHARE * ep * 4096 * 20  # 20 bytes a row at K = 1
+            restart = ep * 64 * 4 + base_time.PRICE_UPDATES * reduce * 18 * 64 * 4
             assert stalled[0] - plain[0] == pytest.approx(
-                rows - max(base_time.margin_share(64) * ep * 4096, 2 * 64) * 20
+                rows - max(base_time.margin_share(64) * ep * 4096, 2 * 64) * 20 + restart
             )
-            assert stalled[1] - plain[1] == pytest.approx((stalled[0] - plain[0]) / 1e9)
+            latency = (1 + base_time.PRICE_UPDATES) * base_time.ROUND_LATENCY_S
+            passes = 2 * base_time.PASSES * 4096 * 64 * 4 / 1e12
+            assert stalled[1] - plain[1] == pytest.approx((stalled[0] - plain[0]) / 1e9 + latency + passes)
 
 
 def test_only_base_over_an_ep_group_pays_it():
