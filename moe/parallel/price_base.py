@@ -25,10 +25,12 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    eighth of the tokens the margin would otherwise hold: the
    tokens counted by the pair of experts they stand between and their margin, from which
    every rank moves the prices alike; one max of the prices and the last move then agrees
-   on their bits. Where they would cost more (E = 256), the stalled prices were a previous
-   call's, and the local start's gather and updates cost less than that eighth
+   on their bits. Where they would cost more (E = 256), the stalled or capped prices were a
+   previous call's, and the local start's gather and updates cost less than that eighth
    (`price_prices.local_start_pays`), the local start runs too, and the solve keeps
-   whichever prices leave the loads' smaller miss: a previous call's prices are the optimum
+   whichever prices leave the loads' smaller miss as last measured (at the prices where the
+   updates stopped early, one move before them where they reached their cap; each run's last
+   move goes with its prices as the band): a previous call's prices are the optimum
    of other tokens, and on a trained router's scores they can sit further from this call's
    than the ranks' own solves of it;
 3. the margin (`price_margin`): every token picks its K best under the prices; those whose
@@ -190,8 +192,9 @@ def price_balanced_assignment(
         local_start: without ``prices`` and on more than one rank, start from the per-expert
             median of every rank's prices for its own tokens alone (`_local_start`: one gather
             of W x E float32, and a solve of the local tokens); False: from zero prices. With
-            ``prices`` whose updates stall where the pair rounds do not pay, the local start
-            is tried as well (above).
+            ``prices`` whose updates stall or reach their cap, on more than one rank, where the
+            pair rounds do not pay and `price_prices.local_start_pays`, the local start is
+            tried as well (above).
         round_bytes: what one more round of collectives costs, as the bytes a rank receives in
             the time of its latency (e.g. 50 us at 25 GB/s: 1.25e6); the pair rounds run only
             where their bytes and rounds at this price cost less than the wide margin they

@@ -144,11 +144,12 @@ def pair_rounds_pay(num_experts: int, spared_bytes: float, round_bytes: float = 
 
 
 def local_start_pays(world: int, num_experts: int, updates: int, spared_bytes: float, round_bytes: float = 0.0) -> bool:
-    """Whether trying the local start after stalled warm updates (where the pair rounds do not
-    pay) costs less than the margin bytes at stake (``spared_bytes``): its gather of W x E
-    float32 and up to ``updates`` more updates of E x (`BINS` + 2) int32, with their 1 +
-    ``updates`` collectives at ``round_bytes`` each. The solver and the planner decide by this
-    one rule."""
+    """Whether trying the local start after stalled or capped warm updates (where the pair
+    rounds do not pay) costs less than the margin bytes at stake (``spared_bytes``): its
+    gather of W x E float32 and up to ``updates`` more updates of E x (`BINS` + 2) int32, with
+    their 1 + ``updates`` collectives at ``round_bytes`` each; bytes and rounds only, not the
+    ranks' own solves (as `pair_rounds_pay`, a collective's buffer counted once). The solver
+    and the planner decide by this one rule."""
     cost = world * num_experts * 4 + updates * num_experts * (BINS + 2) * 4 + (1 + updates) * round_bytes
     return cost < spared_bytes
 

@@ -21,9 +21,11 @@ counts (and their 4 more rounds, at the router config's ``base_round_bytes`` eac
 than the eighth of the tokens the margin would otherwise hold, the solver's own rule
 (`price_prices.pair_rounds_pay`); docs/scale.md costs that case with the replay's measured
 updates and margin. Where they do not run, a stalled warm solve also tries the local start
-(`restarts`) where its gather and `PRICE_UPDATES` more updates cost less than that eighth
-(`price_prices.local_start_pays`): their rounds and bytes, and the rank's solve of its own
-tokens, counted as `PASSES` more passes over its scores.
+(`restarts`) where its gather and up to `price_base.PRICE_ITERS` [1] more updates cost less
+than that eighth (`price_prices.local_start_pays`, called as the solver calls it): costed as
+its gather, `PRICE_UPDATES` more updates and their rounds, and the rank's cold solve of its
+own tokens as `LOCAL_SOLVE_PASSES` passes over its scores (its updates up to their cap and
+the margin; its exchange cycles are not counted).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import LlamaConfig
-from ..parallel.price_base import CAPPED_SHARE
+from ..parallel.price_base import CAPPED_SHARE, PRICE_ITERS
 from ..parallel.price_prices import PAIR_ROUNDS, local_start_pays, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import margin_row_bytes
 from .layout import Layout
@@ -51,6 +53,7 @@ PRICE_UPDATES = 8  # 6-10 measured at W = 64, K = 1 and 8, E = 64 and 256
 STALLED = False  # the updates stall (a trained router's scores): the pair rounds run where they pay
 ROUND_LATENCY_S = 50e-6
 PASSES = 2 * PRICE_UPDATES + 4  # a histogram pass and a pick per update, the normalisation, the margin
+LOCAL_SOLVE_PASSES = 2 * PRICE_ITERS[0] + 4  # a rank's cold solve of its own tokens, its updates to their cap
 
 
 def uses_global_base(cfg: LlamaConfig, lay: Layout) -> bool:
@@ -87,7 +90,7 @@ def restarts(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
         return False
     spared = CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
     round_bytes = cfg.moe.router_config().base_round_bytes
-    return local_start_pays(lay.ep, cfg.moe.num_experts, PRICE_UPDATES, spared, round_bytes)
+    return local_start_pays(lay.ep, cfg.moe.num_experts, PRICE_ITERS[1], spared, round_bytes)
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
@@ -112,6 +115,6 @@ def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
     pairs, restart = pair_rounds(cfg, lay, tokens), restarts(cfg, lay, tokens)
     rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 1 if pairs else 0) + (1 + PRICE_UPDATES if restart else 0)
-    passes = PASSES + (PAIR_ROUNDS if pairs else 0) + (2 * PASSES if restart else 0)  # its local solve and updates
+    passes = PASSES + (PAIR_ROUNDS if pairs else 0) + (LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES if restart else 0)
     local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

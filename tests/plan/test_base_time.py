@@ -7,15 +7,19 @@ import dataclasses
 from unittest import mock
 
 import pytest
+import torch
 
 from moe.models.llama import LlamaConfig
-from moe.parallel.price_base import CAPPED_SHARE
+from moe.parallel import price_base, price_prices
+from moe.parallel.price_base import CAPPED_SHARE, price_balanced_assignment
 from moe.parallel.price_prices import PAIR_ROUNDS, pair_bytes
+from moe.parallel.reduction import ShardReduce
 from moe.plan import base_time
 from moe.plan.hardware import GPUS
 from moe.plan.layout import Layout
 from moe.plan.memory import TrainShape
 from moe.plan.time import step_time
+from tests.routing.test_balanced import make_scores
 
 DEEPSEEK = ("deepseek-v3-like", "h800", Layout(pp=16, ep=64, dp_shard=128, precision="fp8", reshard=False), 15360)
 LARGE = ("llama2-moe-1.2t", "h200", Layout(tp=4, pp=16, ep=8, etp=True, dp_shard=16, reshard=False, chunks=4), 4096)
@@ -43,8 +47,8 @@ def test_bytes_match_the_simulated_solver():
 def test_stalled_updates_pay_the_pair_rounds_where_they_spare_bytes():
     """A trained router's scores (`STALLED`): at W = 64, T = 4096, E = 64 the pair rounds' counts
     (197 KB) cost less than an eighth of the tokens at the margin (655 KB), so a solve pays
-    them and their rounds; at W = 8 they would cost more, and the margin holds that eighth,
-    after the local start tried as well (its gather and updates, 39 KB, cost less: `restarts`)."""
+    them and their rounds; at W = 8 they would cost more, and the margin holds that eighth (the
+    local start's gather and 20 updates, 94 KB, would cost more than it too: `restarts`)."""
     cfg = dataclasses.replace(_base("deepseek-v3-like"), moe=dataclasses.replace(_base("deepseek-v3-like").moe,
                               num_experts=64, top_k=1))  # fmt: skip
     for ep, runs in ((64, True), (8, False)):
@@ -52,21 +56,78 @@ def test_stalled_updates_pay_the_pair_rounds_where_they_spare_bytes():
         plain = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
         with mock.patch.object(base_time, "STALLED", True):
             assert base_time.pair_rounds(cfg, lay, 4096) == runs
-            assert base_time.restarts(cfg, lay, 4096) == (not runs)
+            assert not base_time.restarts(cfg, lay, 4096)
             stalled = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
-        reduce = 2 * (ep - 1) / ep
         if runs:
+            reduce = 2 * (ep - 1) / ep
             assert stalled[0] - plain[0] == pytest.approx(reduce * (pair_bytes(64) + 65 * 8))
             assert stalled[1] - plain[1] >= (PAIR_ROUNDS + 1) * base_time.ROUND_LATENCY_S
-        else:  # no pair rounds: the margin holds the cap's eighth, after the local start's gather and updates
+        else:  # no pair rounds: the margin holds the cap's eighth, in the same rounds
             rows = CAPPED_SHARE * ep * 4096 * 20  # 20 bytes a row at K = 1
-            restart = ep * 64 * 4 + base_time.PRICE_UPDATES * reduce * 18 * 64 * 4
             assert stalled[0] - plain[0] == pytest.approx(
-                rows - max(base_time.margin_share(64) * ep * 4096, 2 * 64) * 20 + restart
+                rows - max(base_time.margin_share(64) * ep * 4096, 2 * 64) * 20
             )
-            latency = (1 + base_time.PRICE_UPDATES) * base_time.ROUND_LATENCY_S
-            passes = 2 * base_time.PASSES * 4096 * 64 * 4 / 1e12
-            assert stalled[1] - plain[1] == pytest.approx((stalled[0] - plain[0]) / 1e9 + latency + passes)
+            assert stalled[1] - plain[1] == pytest.approx((stalled[0] - plain[0]) / 1e9)
+
+
+def test_stalled_updates_at_256_experts_try_the_local_start():
+    """deepseek-v3-like (E = 256, K = 8, ep = 64, T = 4096), stalled: the pair rounds (3.1 MB) cost
+    more than the margin's eighth (1.8 MB), the local start's gather and 20 updates (434 KB) less, so
+    a solve pays its gather, `PRICE_UPDATES` more updates and their rounds, and each rank's own
+    cold solve; priced at 1.25e6 bytes a round, it does not run."""
+    cfg, lay = _base("deepseek-v3-like"), Layout(ep=64, dp_shard=64)
+    plain = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
+    with mock.patch.object(base_time, "STALLED", True):
+        assert not base_time.pair_rounds(cfg, lay, 4096) and base_time.restarts(cfg, lay, 4096)
+        stalled = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
+        priced = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router_options={"base_round_bytes": 1.25e6}))
+        assert not base_time.restarts(priced, lay, 4096)
+    rows = (CAPPED_SHARE - base_time.margin_share(256)) * 64 * 4096 * 55  # K = 8: 55 bytes a row
+    restart = 64 * 256 * 4 + base_time.PRICE_UPDATES * 2 * 63 / 64 * 18 * 256 * 4
+    assert stalled[0] - plain[0] == pytest.approx(rows + restart)
+    latency = (1 + base_time.PRICE_UPDATES) * base_time.ROUND_LATENCY_S
+    passes = (base_time.LOCAL_SOLVE_PASSES + 2 * base_time.PRICE_UPDATES) * 4096 * 256 * 4 / 1e12
+    assert stalled[1] - plain[1] == pytest.approx((stalled[0] - plain[0]) / 1e9 + latency + passes)
+
+
+@pytest.mark.parametrize("tokens", [1024, 1536])
+def test_the_planner_tries_the_local_start_where_the_solver_does(tokens):
+    """W = 8, E = 16, K = 1, the pair rounds off: the local start's gather and 20 updates (23.6 KB)
+    cost more than the margin's eighth at T = 1024 (20.5 KB) and less at T = 1536 (30.7 KB). The
+    planner's `restarts` and a stalled warm call of the solver decide alike."""
+    cfg = _base("deepseek-v3-like")
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=16, top_k=1))
+    with (
+        mock.patch.object(base_time, "STALLED", True),
+        mock.patch.object(base_time, "pair_rounds_pay", lambda *a: False),
+    ):
+        planned = base_time.restarts(cfg, Layout(ep=8, dp_shard=8), tokens)
+    x = make_scores(0, 8 * tokens, 16, "gauss", torch.float32)  # fp32 rows, as the planner's
+    parts = list(x.split(tokens))
+    _, prices, _ = price_balanced_assignment(parts, 1, ShardReduce(8))
+    g = torch.Generator().manual_seed(0)
+    far = prices + 0.05 * float((x.amax(1) - x.amin(1)).amax()) * torch.randn(16, generator=g, dtype=torch.float64)
+    started, stopped = [], []
+    real_start, real_jacobi = price_base._local_start, price_base.jacobi_prices
+
+    def local(*a, **kw):
+        started.append(True)
+        return real_start(*a, **kw)
+
+    def jacobi(s_parts, *a, **kw):
+        got = real_jacobi(s_parts, *a, **kw)
+        stopped.append(got[3])
+        return got
+
+    with (
+        mock.patch.object(price_base, "pair_rounds_pay", lambda *a: False),
+        mock.patch.object(price_prices, "STALL", 0.0),  # stalled after three updates unless converged
+        mock.patch.object(price_base, "_local_start", local),
+        mock.patch.object(price_base, "jacobi_prices", jacobi),
+    ):
+        price_balanced_assignment(parts, 1, ShardReduce(8), prices=far)
+    assert not stopped[0]  # the warm updates did not converge
+    assert planned == bool(started) == (tokens == 1536)
 
 
 def test_only_base_over_an_ep_group_pays_it():
