@@ -150,8 +150,9 @@ def _record_assign(model) -> list[torch.Tensor]:
 
 def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> dict[str, int]:
     """Where one solve's bytes went, from its collectives (kind, values received, bytes) in the
-    order they ran: the header (its maxima), the gather of the local start (cold calls), the
-    prices (the updates' sums, the pair rounds' counts and their agreeing max), the margin's
+    order they ran: the header (its maxima), the gather of the local start (cold calls, and a
+    warm call's after its updates stalled), the prices (the updates' sums, the pair rounds'
+    counts and their agreeing max), the margin's
     counts and rows (from its first count of E + W + 33 values, every band's), the
     certificate's counts and rows (from its first count of 2W values; where 2W = E + W + 33 its
     counts read as the margin's)."""
@@ -166,6 +167,9 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
             if kind == "gather":
                 out["start"] += size
                 continue
+        if phase == "prices" and kind == "gather":  # a warm call's local start after stalled updates
+            out["start"] += size
+            continue
         if phase == "prices" and kind == "sum" and values == margin_count:
             phase = "margin"
         elif phase == "margin" and kind == "sum" and values == 2 * world != margin_count:

@@ -220,6 +220,10 @@ def test_global_base_bytes_by_part_follow_the_solve_phases():
     )
     warm = bytes_by_part([("max", 44, 1), ("sum", 144, 8), ("sum", 45, 64), ("gather", 300, 128)], 4, 8)
     assert warm["start"] == 0 and warm["prices"] == 8 and warm["margin_rows"] == 128
+    # stalled warm updates, then the local start's gather and its updates
+    restarted = [("max", 44, 1), ("sum", 144, 8), ("gather", 32, 16), ("sum", 144, 32), ("sum", 45, 64)]
+    parts = bytes_by_part(restarted + [("gather", 300, 128)], 4, 8)
+    assert parts["start"] == 16 and parts["prices"] == 40 and parts["margin_rows"] == 128
 
 
 def test_global_base_benchmark_checks_up_to_its_limit_and_certifies_beyond():
