@@ -164,10 +164,9 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
             phase = "start"
         if phase == "start":
             phase = "prices"
-            if kind == "gather":
-                out["start"] += size
-                continue
-        if phase == "prices" and kind == "gather":  # a warm call's local start after stalled updates
+        if (
+            phase == "prices" and kind == "gather"
+        ):  # the local start's: a cold call's, or a warm call's after its updates stalled
             out["start"] += size
             continue
         if phase == "prices" and kind == "sum" and values == margin_count:

@@ -258,7 +258,7 @@ def price_balanced_assignment(
                         s_parts, caps, k, red, local, max_iters=max_price_iters, tol=num_experts
                     )
                     stats.price_updates += n
-                    if q_miss is not None and (miss is None or q_miss < miss):
+                    if q_miss < miss:  # both measured: max_price_iters > 0
                         p, width, converged = q, q_width, q_converged
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
