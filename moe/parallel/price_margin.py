@@ -22,12 +22,17 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    expert has its own band, which a token takes at the widest of its slots': where the fixed
    tokens overfill experts, their bands alone grow 4x (one more sum each), so a cluster of
    near-equal tokens on the wrong side of one boundary widens that boundary, not every
-   token's. Where the fill finds no completion, or the cycles on the gathered rows alone (no
-   collective; the certificate's first round reuses them) leave a row on a column it did not
-   carry, every band grows 4x: such rows cannot fill some experts on their own columns, the
-   certificate's prices for those fall far below the picks' and many fixed tokens fail. The
-   latter only while more fixed tokens would fail against those prices than a 4x band would
-   add (one sum of 2 values), else the certificate takes the failing ones. A wider band sends
+   token's. Where the fill finds no completion, every band grows 4x. Where the cycles on the
+   gathered rows alone (no collective; the certificate's first round reuses them) leave a row
+   on a column it did not carry, the rows cannot fill those experts on their own columns: the
+   certificate's prices for them would fall far below the picks' and many fixed tokens fail.
+   While more fixed tokens would fail against those prices than every band 4x would add (one
+   sum of 3 values), the margin grows, else the certificate takes the failing ones. It grows
+   by a pull on the experts short of rows where rows travel (W > 1) and that adds rows, but
+   at most an eighth of what every band 4x would (`PULL_SHARE`), else by every band 4x: a
+   pull takes the tokens whose K-th choice under the prices is ahead of a short expert by
+   less than 4x that expert's band (4x its last pull when it grows again), and their rows
+   carry that expert. A wider margin sends
    only the tokens it adds (the prices, and so a token's row, stay), one gather each;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
@@ -61,6 +66,7 @@ __all__ = ["GAP_BINS", "LAST_CHECK", "solve_margin"]
 BAND = 1.0  # the first margin band, in units of the last price move
 MIN_BAND = 1e-6
 LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
+PULL_SHARE = 8  # a pull, not every band 4x, where it adds at most 1 / PULL_SHARE of what they would
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
 
@@ -106,6 +112,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
     cols = min(num_experts, k + SENT)
     lay = RowLayout.of(sum(sizes), num_experts, k, dtype)
     band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held
+    pull = torch.zeros(num_experts, dtype=torch.float64)  # per expert short of rows: the tokens this near it
     edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
     extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
     # the rows gathered so far: a wider band sends only the tokens it adds (the prices, and so
@@ -116,7 +123,11 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
     mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
     while True:
         last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
-        near = [_in_band(out, m, band) if not last else torch.ones_like(m, dtype=torch.bool) for out, m in picks]
+        near, want = [], []  # the margin's tokens per shard, and the pulled expert each row carries
+        for s, (out, m) in zip(s_parts, picks, strict=True):
+            nr, w = _near(s, p1, out, m, band, pull)
+            near.append(nr if not last else torch.ones_like(nr))
+            want.append(w)
         counts = []
         for rank, (out, m), nr in zip(red.ranks, picks, near, strict=True):
             c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
@@ -139,8 +150,8 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         if sum(new_sizes):
             added = [(nr & ~h).nonzero().flatten() for nr, h in zip(near, had, strict=True)]
             made = [
-                pack_rows(s, p1, out, lc, None, cols, lay)
-                for s, (out, _), lc in zip(s_parts, picks, added, strict=True)
+                pack_rows(s, p1, out, lc, None, cols, lay, w.index_select(0, lc))
+                for s, (out, _), lc, w in zip(s_parts, picks, added, want, strict=True)
             ]
             rows = red.gather([r for r, _ in made], new_sizes).cpu()
             for rank, lc, (_, got), (lcs, at, gots) in zip(red.ranks, added, made, mine, strict=True):
@@ -170,13 +181,22 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         # thousand did)
         graph = _graph(s_res, slots, delta, extra)
         cancelled = graph.cancel(budget, p.cpu().numpy().astype(s_res.numpy().dtype))
-        if (
-            last
-            or not _holds_unsent(s_res, torch.from_numpy(graph.out))
-            or _fails_fewer(s_parts, picks, near, band * 4, torch.from_numpy(cancelled[2]).to(dtype), red, delta)
-        ):
+        short = None if last else _unsent_columns(s_res, torch.from_numpy(graph.out))
+        if short is None or short.numel() == 0:
             return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
-        band *= 4
+        # the tokens nearest to taking the experts short of rows, or every band 4x
+        pulled = pull.clone()
+        pulled[short] = torch.maximum(pull[short], band[short]) * 4
+        q = torch.from_numpy(cancelled[2]).to(dtype)
+        fails, pull_adds, band_adds = _widen_counts(s_parts, p1, picks, near, band, pull, pulled, q, red, delta)
+        if fails <= band_adds:  # the certificate takes them (as it would beside a pull that grows on)
+            return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+        # a pull only where rows travel: on one rank (a local start's solve) the band costs no
+        # bytes, and the prices of the wider margin make the start the group's calls measured
+        if world > 1 and 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all()):
+            pull = pulled
+        else:
+            band = band * 4
 
 
 def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
@@ -272,29 +292,54 @@ def _in_band(out_TK: Tensor, margin_T: Tensor, band_E: Tensor) -> Tensor:
     return margin_T < band_E.to(margin_T.device, margin_T.dtype)[out_TK].amax(1)
 
 
+def _near(
+    s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, margin_T: Tensor, band_E: Tensor, pull_E: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The margin's tokens, (T,) bool: those in their slots' band (`_in_band`), and those whose
+    K-th choice under the prices is ahead of an expert with a pull by less than that pull; and
+    for each token (T,) the pulled expert it is nearest to, relative to its pull (-1: none),
+    which its row carries."""
+    near = _in_band(out_TK, margin_T, band_E)
+    want = torch.full_like(margin_T, -1, dtype=torch.int64)
+    pulled = pull_E.nonzero().flatten().to(s_ET.device)
+    if pulled.numel():
+        a = s_ET - p_E1
+        kth = a.gather(0, out_TK[:, -1:].T)  # (1, T)
+        rel = (kth - a.index_select(0, pulled)) / pull_E.to(a.device, a.dtype)[pulled, None]  # (P, T)
+        rel.masked_fill_(held_mask(out_TK, s_ET.shape[0]).index_select(0, pulled), float("inf"))
+        best, at = rel.min(0)
+        hit = best < 1
+        near |= hit
+        want[hit] = pulled[at[hit]]
+    return near, want
+
+
 def _graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
     """The exchange-cycle graph of the gathered rows, on copies of their slots and of the
     movable extra slots (the search writes both)."""
     return _Graph(s_res.numpy(), slots_MK.numpy().copy(), delta, None if extra is None else extra.copy())
 
 
-def _fails_fewer(s_parts, picks, near, wider: Tensor, q_E: Tensor, red, delta: float) -> bool:
-    """Whether fewer fixed tokens fail against the prices ``q`` than a band of ``wider``
-    would add to the margin (one sum of 2 values): the cheaper of the two to send."""
+def _widen_counts(s_parts, p_E1, picks, near, band, pull, pulled, q_E: Tensor, red, delta: float) -> list:
+    """Over the group (one sum of 3 values): the fixed tokens that fail against the prices
+    ``q``, and the tokens the margin would add with the pull ``pulled``, or with every band 4x."""
     counts = []
     for s, (out, m), nr in zip(s_parts, picks, near, strict=True):
         local = (~nr).nonzero().flatten()
         fails = violations(s.index_select(1, local), q_E.to(s.device), out.index_select(0, local), delta).numel()
-        adds = int(_in_band(out, m, wider).sum()) - int(nr.sum())
-        counts.append(torch.tensor([fails, adds], dtype=torch.int64, device=s.device))
-    fails, adds = red.sum(counts).tolist()
-    return fails <= adds
+        n = int(nr.sum())
+        by_pull = int(_near(s, p_E1, out, m, band, pulled)[0].sum()) - n
+        by_band = int(_near(s, p_E1, out, m, band * 4, pull)[0].sum()) - n
+        counts.append(torch.tensor([fails, by_pull, by_band], dtype=torch.int64, device=s.device))
+    return red.sum(counts).tolist()
 
 
-def _holds_unsent(s_res: Tensor, slots_MK: Tensor) -> bool:
-    """Whether a gathered row holds a column it did not carry (``UNSENT``)."""
+def _unsent_columns(s_res: Tensor, slots_MK: Tensor) -> Tensor:
+    """The experts a gathered row holds without having carried their column (``UNSENT``):
+    those the rows cannot fill on their own columns."""
     held = slots_MK.clamp(min=0)
-    return bool(((s_res.gather(0, held.T) == UNSENT) & (slots_MK.T >= 0)).any())
+    bad = (s_res.gather(0, held.T) == UNSENT) & (slots_MK.T >= 0)
+    return torch.unique(held.T[bad])
 
 
 class _Sent:

@@ -59,17 +59,28 @@ class RowLayout:
 
 
 def pack_rows(
-    s_ET: Tensor, p_E1: Tensor, out_TK: Tensor, local: Tensor, keys: Tensor | None, cols: int, lay: RowLayout
+    s_ET: Tensor,
+    p_E1: Tensor,
+    out_TK: Tensor,
+    local: Tensor,
+    keys: Tensor | None,
+    cols: int,
+    lay: RowLayout,
+    want: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The rows that travel for tokens ``local``, (n, width) uint8 (`RowLayout`, led by ``keys``
     (n,) where given), and the columns they carry (E, n) bool: the slots and the ``cols`` - K
-    best other experts under the prices."""
+    best other experts under the prices; where ``want`` (n,) names an expert (not -1), the row
+    carries it in place of the last of those if they lack it."""
     num_experts = s_ET.shape[0]
     s = s_ET.index_select(1, local)
     held = out_TK.index_select(0, local)
     if cols < num_experts:
         a = (s - p_E1).scatter_(0, held.T, float("-inf"))  # the slots aside: they come first, in order
         idx = torch.cat([held, torch.topk(a, cols - held.shape[1], dim=0).indices.T], 1)
+        if want is not None:
+            swap = (want >= 0) & ~(idx == want[:, None]).any(1)
+            idx[swap, -1] = want[swap]
         vals, named = s.T.gather(1, idx), idx
     else:
         idx = torch.arange(num_experts, device=s.device).expand(s.shape[1], -1)

@@ -392,6 +392,41 @@ def test_rows_that_cannot_fill_an_expert_on_their_own_columns_widen_the_band(k):
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_expert_short_of_rows_pulls_the_tokens_nearest_to_it(k):
+    """Where the gathered rows cannot fill expert 0 on their own columns, the margin takes the
+    tokens nearest to taking it (their rows carrying it), not every band 4x: fewer than half
+    the rows and bytes, in the same rounds, to the same optimum."""
+    x, sizes, far = dear_expert(k)
+
+    def solve():
+        return price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=far, max_price_iters=0)
+
+    out, _, pulled = solve()
+    with mock.patch.object(price_margin, "PULL_SHARE", float("inf")):  # never a pull: every band grows
+        out_band, _, banded = solve()
+    assert pulled.margin_rows < banded.margin_rows / 2, (pulled, banded)
+    assert pulled.bytes < banded.bytes / 2 and pulled.rounds <= banded.rounds
+    best = same_order(balanced_assignment(x, k))
+    assert torch.equal(same_order(torch.cat(out)), best) and torch.equal(same_order(torch.cat(out_band)), best)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_one_rank_grows_every_band_not_a_pull(k):
+    """On one rank (a local start's solve) no row travels: the band grows as without the pull,
+    and the prices, the group's start, are those of the wider margin, bit for bit."""
+    x, _, far = dear_expert(k)
+
+    def solve():
+        return price_balanced_assignment([x], k, ShardReduce(1), prices=far, max_price_iters=0)
+
+    out, prices, stats = solve()
+    with mock.patch.object(price_margin, "PULL_SHARE", float("inf")):
+        out_band, prices_band, banded = solve()
+    assert stats.margin_rows == banded.margin_rows and torch.equal(prices, prices_band)
+    assert torch.equal(out[0], out_band[0])
+
+
 def test_fewer_failing_fixed_tokens_than_a_wider_band_adds_go_to_the_certificate():
     """Expert 0 of 8 dearer by a fifth of the range, K = 2, no price updates: rows sit on its
     column without carrying it, but fewer fixed tokens fail against the cycles' prices than a
@@ -406,7 +441,12 @@ def test_fewer_failing_fixed_tokens_than_a_wider_band_adds_go_to_the_certificate
         return price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), prices=far, max_price_iters=0)
 
     out, _, stats = solve()
-    with mock.patch.object(price_margin, "_fails_fewer", lambda *a: False):  # the band always grows
+    counts = price_margin._widen_counts
+
+    def never_fewer(*a):  # every band always grows
+        return [2**62, 2**62, counts(*a)[2]]
+
+    with mock.patch.object(price_margin, "_widen_counts", never_fewer):
         _, _, grown = solve()
     assert stats.bytes < 0.9 * grown.bytes, (stats, grown)
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 2)))
@@ -542,6 +582,33 @@ def test_rows_travel_as_bytes_and_come_back(e, dtype, cols, total, keyed):
     held = torch.zeros_like(sent).scatter_(0, slots.T, True)
     best = torch.topk(torch.where(held, float("-inf"), want - p), width - k, dim=0).indices
     assert torch.equal(sent, held.scatter(0, best, True))
+
+
+def test_a_row_carries_the_expert_it_is_pulled_to():
+    """A row with ``want`` carries that expert in place of the last of its best others where
+    they lack it, and is unchanged where they hold it or it names none (-1)."""
+    g = torch.Generator().manual_seed(5)
+    e, k, width = 16, 2, 5
+    lay = price_rows.RowLayout.of(100, e, k, torch.float32)
+    s = torch.rand(e, 6, generator=g) - 1
+    p = torch.zeros(e, 1)
+    held = torch.topk(s, k, dim=0).indices.T.contiguous()
+    local = torch.arange(6)
+    _, plain = price_rows.pack_rows(s, p, held, local, None, width, lay)
+    far = (~plain).float().argmax(0)  # an expert each row lacks
+    near = plain.float().argmax(0)  # one it carries
+    want = torch.stack([far[0], near[1], torch.tensor(-1), far[3], far[4], far[5]])
+    rows, sent = price_rows.pack_rows(s, p, held, local, None, width, lay, want)
+    _, slots, got = price_rows.unpack_rows(rows, lay, width, keyed=False)
+    assert torch.equal(slots, held)
+    for t in range(6):
+        if t in (1, 2):
+            assert torch.equal(sent[:, t], plain[:, t])
+        else:
+            last = torch.topk(torch.where(plain[:, t], s[:, t], float("inf")), 1, largest=False).indices  # worst sent
+            assert sent[want[t], t] and int(sent[:, t].sum()) == width
+            assert not sent[last, t] or bool(torch.isin(last, held[t]).any())
+    assert torch.equal(got[sent], s[sent])
 
 
 @given(
