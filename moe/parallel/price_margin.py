@@ -31,8 +31,8 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    by a pull on the experts short of rows where rows travel (W > 1) and that adds rows, but
    at most an eighth of what every band 4x would (`PULL_SHARE`), else by every band 4x: a
    pull takes the tokens whose K-th choice under the prices is ahead of a short expert by
-   less than 4x that expert's band (4x its last pull when it grows again), and their rows
-   carry that expert. A wider margin sends
+   less than 4x that expert's band (4x the larger of its band and its last pull when it grows
+   again, up to 4), and the rows it adds carry that expert. A wider margin sends
    only the tokens it adds (the prices, and so a token's row, stay), one gather each;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
@@ -45,9 +45,10 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    in the single-process solver (docs/routing.md).
 
 Both loops are bounded: the bands grow geometrically to the whole problem (then the residual is
-the gathered problem), and each certificate round adds a row or a column a row did not carry
-(one of its K + 3 best under the new prices beats what it holds, and the carried ones passed);
-after `LAST_CHECK` rounds every row travels whole.
+the gathered problem; a pull grows only while it adds rows and stays at most 4, at most about
+ten times an expert from the least band), and each certificate round adds a row or a column a
+row did not carry (one of its K + 3 best under the new prices beats what it holds, and the
+carried ones passed); after `LAST_CHECK` rounds every row travels whole.
 """
 
 from __future__ import annotations

@@ -396,7 +396,7 @@ def test_rows_that_cannot_fill_an_expert_on_their_own_columns_widen_the_band(k):
 def test_an_expert_short_of_rows_pulls_the_tokens_nearest_to_it(k):
     """Where the gathered rows cannot fill expert 0 on their own columns, the margin takes the
     tokens nearest to taking it (their rows carrying it), not every band 4x: fewer than half
-    the rows and bytes, in the same rounds, to the same optimum."""
+    the rows and bytes, in no more rounds, to the same optimum."""
     x, sizes, far = dear_expert(k)
 
     def solve():
