@@ -304,10 +304,11 @@ def _near(
     want = torch.full_like(margin_T, -1, dtype=torch.int64)
     pulled = pull_E.nonzero().flatten().to(s_ET.device)
     if pulled.numel():
-        a = s_ET - p_E1
-        kth = a.gather(0, out_TK[:, -1:].T)  # (1, T)
-        rel = (kth - a.index_select(0, pulled)) / pull_E.to(a.device, a.dtype)[pulled, None]  # (P, T)
-        rel.masked_fill_(held_mask(out_TK, s_ET.shape[0]).index_select(0, pulled), float("inf"))
+        last = out_TK[:, -1:].T  # (1, T): each token's K-th choice
+        kth = s_ET.gather(0, last) - p_E1[last[0]].T  # the pulled rows alone, not all E
+        a = s_ET.index_select(0, pulled) - p_E1.index_select(0, pulled)  # (P, T)
+        rel = (kth - a) / pull_E.to(a.device, a.dtype)[pulled, None]
+        rel.masked_fill_((out_TK.T[None] == pulled[:, None, None]).any(1), float("inf"))  # its own slots
         best, at = rel.min(0)
         hit = best < 1
         near |= hit
