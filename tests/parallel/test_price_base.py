@@ -368,15 +368,15 @@ def test_an_overfull_expert_widens_its_own_band(k):
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
 
 
-def dear_expert(k: int):
-    """Expert 0 of 64 made dearer by 2% of the scores' range than the optimum's prices, over
-    8 ranks of 256 tokens: few tokens pick it, and the margin rows, which carry their K + 3
-    best experts under these prices, rarely carry it."""
+def dear_expert(k: int, experts: int = 64, dearer: float = 0.02):
+    """Expert 0 of ``experts`` (64) made dearer by ``dearer`` (2%) of the scores' range than the
+    optimum's prices, over 8 ranks of 256 tokens: few tokens pick it, and the margin rows,
+    which carry their K + 3 best experts under these prices, rarely carry it."""
     sizes = [256] * 8
-    x = make_scores(1, sum(sizes), 64, "gauss")
+    x = make_scores(1, sum(sizes), experts, "gauss")
     _, prices, _ = price_balanced_assignment(split(x, sizes), k, ShardReduce(8))
     far = prices.clone()
-    far[0] += 0.02 * float((x.amax(1) - x.amin(1)).amax())
+    far[0] += dearer * float((x.amax(1) - x.amin(1)).amax())
     return x, sizes, far
 
 
@@ -409,6 +409,29 @@ def test_an_expert_short_of_rows_pulls_the_tokens_nearest_to_it(k):
     assert pulled.bytes < banded.bytes / 2 and pulled.rounds <= banded.rounds
     best = same_order(balanced_assignment(x, k))
     assert torch.equal(same_order(torch.cat(out)), best) and torch.equal(same_order(torch.cat(out_band)), best)
+
+
+def test_the_rows_a_pull_adds_carry_its_expert():
+    """Expert 0 of 256 dearer by 4% of the range, K = 2: the tokens nearest to taking it rank
+    it below their K + 3 best under these prices, so only the column a pull makes them carry
+    lets the cycles fill it. Sent without it, the band grows until every row travels."""
+    x, sizes, far = dear_expert(2, experts=256, dearer=0.04)
+    pack = price_margin.pack_rows
+
+    def solve():
+        return price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), prices=far, max_price_iters=0)
+
+    def without_want(*args):  # the rows as before the pull: their own best columns only
+        return pack(*args[:7])
+
+    out, _, pulled = solve()
+    with mock.patch.object(price_margin, "pack_rows", without_want):
+        out_plain, _, plain = solve()
+    assert pulled.margin_rows < plain.margin_rows / 2 and pulled.bytes < plain.bytes / 2, (pulled, plain)
+    best = float(assignment_score(x, balanced_assignment(x, 2)))
+    tol = (2 * x.shape[0] * 2 + 256) * 1e-6 * float((x.amax(1) - x.amin(1)).amax())
+    for got in (out, out_plain):
+        assert abs(float(assignment_score(x, torch.cat(got))) - best) <= tol
 
 
 @pytest.mark.parametrize("k", [1, 2])
