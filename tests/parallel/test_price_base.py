@@ -429,9 +429,8 @@ def test_the_rows_a_pull_adds_carry_its_expert():
         out_plain, _, plain = solve()
     assert pulled.margin_rows < plain.margin_rows / 2 and pulled.bytes < plain.bytes / 2, (pulled, plain)
     best = float(assignment_score(x, balanced_assignment(x, 2)))
-    tol = (2 * x.shape[0] * 2 + 256) * 1e-6 * float((x.amax(1) - x.amin(1)).amax())
     for got in (out, out_plain):
-        assert abs(float(assignment_score(x, torch.cat(got))) - best) <= tol
+        assert abs(float(assignment_score(x, torch.cat(got))) - best) <= bound(x, 2)
 
 
 @pytest.mark.parametrize("k", [1, 2])
