@@ -190,46 +190,61 @@ def run(
     ``scores="run"`` replays the checkpoints of the `moe train` run in ``run_dir``
     (``replay``: their steps, or all; ``steps`` batches each), whose model sets E and K.
     ``on_solve``, where given, is called with each solve's figures as it ends."""
+    k, source = score_source(world, tokens, experts, k, scores, steps, run_dir, replay)
+
+    def solve(x, start):
+        parts = list(x.split(tokens))
+        t0 = time.perf_counter()
+        out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
+        seconds = time.perf_counter() - t0
+        del parts
+        objective = verify(x, torch.cat(out), p, k, check_max_gb) if check else None
+        return p, dict(
+            W=world, T=tokens, E=x.shape[1], K=k, rounds=st.rounds, updates=st.price_updates, checks=st.checks,
+            bytes=st.bytes, margin_rows=st.margin_rows, gathered_bytes=world * tokens * x.shape[1] * 4,
+            seconds=seconds, parts=bytes_by_part(st.log, world, x.shape[1]), objective=objective,
+        )  # fmt: skip
+
     rows = []
+    for row in solve_steps(source, scores == "run", solve):
+        rows.append(row)
+        if on_solve is not None:
+            on_solve(row)
+    return rows
+
+
+def score_source(world: int, tokens: int, experts: int, k: int, scores: str, steps: int,
+                 run_dir: str | None = None, replay: list[int] | None = None):  # fmt: skip
+    """(K, the scores as (step, label, layers) in order): ``random``, ``training`` or ``run``
+    (the checkpoints of the `moe train` run in ``run_dir``, whose model sets E and K)."""
     if scores == "random":
-        source = ((i, scores, x) for i, x in enumerate(random_steps(world, tokens, experts, steps)))
-    elif scores == "training":
-        source = ((i, scores, x) for i, x in enumerate(training_steps(world, tokens, experts, k, steps)))
-    else:
-        k = run_model_config(run_dir).moe.top_k
-        source = run_steps(run_dir, world, tokens, replay, steps)
+        return k, ((i, scores, x) for i, x in enumerate(random_steps(world, tokens, experts, steps)))
+    if scores == "training":
+        return k, ((i, scores, x) for i, x in enumerate(training_steps(world, tokens, experts, k, steps)))
+    return run_model_config(run_dir).moe.top_k, run_steps(run_dir, world, tokens, replay, steps)
+
+
+def solve_steps(source, replayed: bool, solve):
+    """Every solve of ``source``'s scores in order, its rows (the figures ``solve`` returns, with
+    the step, label, layer and start): per layer, cold (no previous prices) and, from the second
+    step on, warm (the previous step's prices, per layer; a replay's checkpoints start afresh,
+    with no previous step). ``solve(x, prices)`` returns (the prices, its figures); the rows
+    keep no reference to ``x``, so each step's scores go before the next step's are made."""
     prices: dict[int, torch.Tensor | None] = {}
     last: int | None = None
     for step, label, layers in source:
         for layer, x in enumerate(layers):
-            parts = list(x.split(tokens))
-            experts = x.shape[1]
-            first = last is None or (scores == "run" and step != last + 1)  # no previous step to start from
+            first = last is None or (replayed and step != last + 1)  # no previous step to start from
             for mode in ("cold", "warm"):
-                start = None if mode == "cold" else prices.get(layer)
                 if mode == "warm" and first:
                     continue
-                t0 = time.perf_counter()
-                out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
-                seconds = time.perf_counter() - t0
+                p, row = solve(x, None if mode == "cold" else prices.get(layer))
                 if mode == "warm" or first:
                     prices[layer] = p
-                objective = verify(x, torch.cat(out), p, k, check_max_gb) if check else None
-                out = None
-                rows.append(
-                    dict(
-                        W=world, T=tokens, E=experts, K=k, scores=label, mode=mode, step=step, layer=layer,
-                        rounds=st.rounds, updates=st.price_updates, checks=st.checks, bytes=st.bytes,
-                        margin_rows=st.margin_rows, gathered_bytes=world * tokens * experts * 4, seconds=seconds,
-                        parts=bytes_by_part(st.log, world, experts), objective=objective,
-                    )
-                )  # fmt: skip
-                if on_solve is not None:
-                    on_solve(rows[-1])
-            del parts, x  # before the next step's scores are made
+                yield dict(scores=label, mode=mode, step=step, layer=layer) | row
+            del x
         last = step
         del layers
-    return rows
 
 
 def verify(x: torch.Tensor, out: torch.Tensor, prices: torch.Tensor | None, k: int, max_gb: float) -> str:
@@ -315,9 +330,8 @@ def progress(row: dict) -> None:
     )  # fmt: skip
 
 
-def main(argv=None) -> None:
-    _large_buffers_from_mmap()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def score_args(ap: argparse.ArgumentParser, steps: int) -> argparse.ArgumentParser:
+    """The shapes and scores both global BASE benchmarks take (``steps``: the default)."""
     ap.add_argument("--W", type=int, nargs="+", default=[8])
     ap.add_argument("--T", type=int, nargs="+", default=[4096])
     ap.add_argument("--E", type=int, nargs="+", default=[64])
@@ -325,34 +339,49 @@ def main(argv=None) -> None:
     ap.add_argument("--scores", choices=("random", "training"), default="random")
     ap.add_argument("--run", help="replay a `moe train` run folder's checkpoints instead (its model sets E and K)")
     ap.add_argument("--replay-steps", type=int, nargs="+", help="with --run: the checkpoints' steps (default: all)")
-    ap.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is cold only); "
+    ap.add_argument("--steps", type=int, default=steps, help="steps per configuration (the first is cold only); "
                     "with --run, consecutive batches per checkpoint")  # fmt: skip
+    return ap
+
+
+def main(argv=None) -> None:
+    _large_buffers_from_mmap()
+    ap = score_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), steps=4)
     ap.add_argument("--check", action="store_true", help="compare each objective with the single-process solve")
     ap.add_argument("--check-max-gb", type=float, default=4.0,
                     help="compare with the stacked solve only where its scores take at most this many GB "
                     "(that solve holds several copies); beyond, certify by the prices' bound")  # fmt: skip
     ap.add_argument("--json", help="write every solve's figures here")
     args = ap.parse_args(argv)
-    rows = []
     scores = "run" if args.run else args.scores
     if args.run:  # the run's model fixes E and K
         cfg = run_model_config(args.run)
         args.E, args.K = [cfg.moe.num_experts], [cfg.moe.top_k]
     elif args.replay_steps:
         ap.error("--replay-steps needs --run")
+
+    def one(world, tokens, experts, k):
+        return run(world, tokens, experts, k, scores, args.steps, args.check, check_max_gb=args.check_max_gb,
+                   run_dir=args.run, replay=args.replay_steps, on_solve=progress)  # fmt: skip
+
+    grid(args, one, lambda rows: markdown(summary(rows)))
+
+
+def grid(args, one, table) -> None:
+    """Every (W, T, E, K) of ``args`` through ``one(W, T, E, K)`` (its rows), each one's table
+    lines as it ends (``table``: rows to markdown), ``--json``, then the whole table."""
+    rows = []
     for world in args.W:
         for tokens in args.T:
             for experts in args.E:
                 for k in args.K:
-                    got = run(world, tokens, experts, k, scores, args.steps, args.check,
-                              check_max_gb=args.check_max_gb, run_dir=args.run, replay=args.replay_steps,
-                              on_solve=progress)  # fmt: skip
+                    got = one(world, tokens, experts, k)
                     rows += got
-                    print("\n".join(markdown(summary(got)).splitlines()[2:]), flush=True)  # as each one ends
+                    print("\n".join(table(got).splitlines()[2:]), flush=True)  # as each one ends
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(markdown(summary(rows)))
+    print(table(rows))
 
 
 if __name__ == "__main__":

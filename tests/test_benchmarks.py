@@ -274,6 +274,25 @@ def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path,
         global_base.main(["--replay-steps", "1"])
 
 
+def test_global_base_ranks_time_each_rank_over_gloo_on_the_simulated_solves():
+    """W = 2 gloo processes solve the simulated group's problems, cold and warm, in the same
+    rounds and to the same assignment, and each rank's CPU seconds are counted."""
+    from benchmarks import global_base_ranks
+
+    rows = global_base_ranks.run(2, 64, 8, 2, "random", 2)
+    assert [(r["step"], r["mode"]) for r in rows] == [(0, "cold"), (1, "cold"), (1, "warm")]
+    for r in rows:
+        assert r["equal"] and r["rank_rounds"] == [r["rounds"]] and r["rounds"] >= 4
+        assert len(r["rank_cpu"]) == 2
+        assert all(0 < own <= cpu for own, cpu in zip(r["rank_own"], r["rank_cpu"], strict=True))
+        assert r["group_s"] > 0 and (r["W"], r["T"], r["E"], r["K"]) == (2, 64, 8, 2)
+    (cold, warm) = global_base_ranks.summary(rows)
+    assert (cold["n"], warm["n"]) == (2, 1) and cold["equal"] and warm["equal"]
+    last = global_base_ranks.markdown([cold, warm]).splitlines()[-1]
+    assert last.startswith("| 2 | 64 | 8 | 2 | random | warm | 1 |")
+    assert not global_base_ranks.summary([rows[0] | dict(equal=False)])[0]["equal"]
+
+
 def test_node_bytes_count_what_crosses_between_nodes(capsys):
     """The inter-node counts follow the uniform expectation without a node limit, the node limit
     caps the nodes a token reaches at M, and deduplication halves the top-8 bytes under M=4."""

@@ -1,0 +1,180 @@
+"""A rank's own compute in global BASE by prices: W processes over gloo, one per rank, each
+solving its shard as a rank of a cluster would (`GroupReduce`), against the simulated group of
+`benchmarks.global_base` (`ShardReduce`, all W ranks' work one after another in one process)
+on the same scores.
+
+On a cluster each rank does its own shard's work (its price counts, its picks, its margin rows,
+its certificate checks) while the others do theirs, and repeats what every rank does alike (the
+residual solve of the gathered rows, its exchange cycles, the price model). The simulated
+group's time is the sum of every rank's own work and that shared part once; so a rank's compute
+lies between the group's time / W and the group's time. Here each rank's process time (user +
+system CPU seconds of its solve, every thread of the process: its gloo transport too) measures
+it, one thread per process (``--threads``), so a machine with fewer cores than ranks still
+gives each rank's CPU seconds, though not its wall time. The waits in the collectives take no
+CPU time. Per solve: the group's time (one thread), every rank's CPU seconds (median and
+largest), and whether every rank's assignment equals the simulated solve's shard of it.
+
+    python -m benchmarks.global_base_ranks --W 8 32 --T 4096 --E 64 256 --steps 2
+    python -m benchmarks.global_base_ranks --W 16 --T 4096 --run runs/base64 --replay-steps 400 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.global_base import grid, score_args, score_source, solve_steps
+from moe.parallel.price_base import price_balanced_assignment
+from moe.parallel.reduction import GroupReduce, ShardReduce
+
+
+def _problems(folder: str, source) -> list[tuple[int, str, list[str]]]:
+    """Each step's layers saved under ``folder``: (step, label, their files), in order."""
+    out = []
+    for step, label, layers in source:
+        paths = []
+        for layer, x in enumerate(layers):
+            paths.append(os.path.join(folder, f"step{step}_layer{layer}.pt"))
+            torch.save(x.contiguous(), paths[-1])
+        out.append((step, label, paths))
+        del layers
+    return out
+
+
+def _shards(problems, rank: int, tokens: int):
+    """The source of one rank: its rows of every saved layer (``rank`` None: every row)."""
+    for step, label, paths in problems:
+        whole = [torch.load(p, mmap=True) for p in paths]
+        rows = slice(None) if rank is None else slice(rank * tokens, (rank + 1) * tokens)
+        yield step, label, [x[rows].clone() for x in whole]
+
+
+def _first(problems, rank: int | None, tokens: int) -> torch.Tensor:
+    """The first layer of the first step, as `_shards` gives it: a warm-up solve's scores."""
+    return next(_shards(problems[:1], rank, tokens))[2][0]
+
+
+def _rank(rank: int, world: int, folder: str, problems, tokens: int, k: int, replayed: bool, threads: int) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(minutes=30))  # fmt: skip
+    red = GroupReduce()
+
+    def solve(x, start):
+        dist.barrier()  # every rank starts together: none counts another's lag as its own
+        c0, t0 = time.process_time(), time.thread_time()
+        out, p, st = price_balanced_assignment([x], k, red, prices=start)
+        cpu, own = time.process_time() - c0, time.thread_time() - t0
+        return p, dict(cpu=cpu, own=own, rounds=st.rounds, out=out[0])
+
+    solve(_first(problems, rank, tokens), None)  # untimed: the first call's one-off costs
+    rows = list(solve_steps(_shards(problems, rank, tokens), replayed, solve))
+    torch.save(rows, os.path.join(folder, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(
+    world: int, tokens: int, experts: int, k: int, scores: str, steps: int, *,
+    run_dir: str | None = None, replay: list[int] | None = None, threads: int = 1,
+) -> list[dict]:  # fmt: skip
+    """Per solve: the simulated group's seconds on ``threads`` threads (``group_s``), every
+    rank's CPU seconds over gloo (``rank_cpu``: a list in rank order; ``rank_own``: the solving
+    thread's alone), the rounds of both, and ``equal``: every rank's assignment is the
+    simulated solve's rows of it."""
+    k, source = score_source(world, tokens, experts, k, scores, steps, run_dir, replay)
+    with tempfile.TemporaryDirectory() as folder:
+        problems = _problems(folder, source)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+
+            def simulated(x, start):
+                parts = list(x.split(tokens))
+                t0 = time.perf_counter()
+                out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
+                return p, dict(E=x.shape[1], group_s=time.perf_counter() - t0, rounds=st.rounds, out=out)
+
+            simulated(_first(problems, None, tokens), None)  # untimed, as on the ranks
+            sim = list(solve_steps(_shards(problems, None, tokens), scores == "run", simulated))
+        finally:
+            torch.set_num_threads(before)
+        mp.spawn(_rank, args=(world, folder, problems, tokens, k, scores == "run", threads), nprocs=world)
+        ranks = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+    rows = []
+    for i, s in enumerate(sim):
+        mine = [r[i] for r in ranks]
+        rows.append(
+            dict(W=world, T=tokens, E=s["E"], K=k)
+            | {key: s[key] for key in ("scores", "mode", "step", "layer", "group_s")}
+            | dict(
+                rank_cpu=[m["cpu"] for m in mine], rank_own=[m["own"] for m in mine],
+                rounds=s["rounds"], rank_rounds=sorted({m["rounds"] for m in mine}),
+                equal=all(torch.equal(m["out"], o) for m, o in zip(mine, s["out"], strict=True)),
+            )
+        )  # fmt: skip
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (W, T, E, K, scores, start): medians over the solves of the group's seconds, of the
+    ranks' median CPU seconds and of their largest, and whether every solve was equal."""
+    out = []
+    keys = list(dict.fromkeys((r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) for r in rows))
+    for key in keys:
+        sel = [r for r in rows if (r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) == key]
+        out.append(
+            dict(zip(("W", "T", "E", "K", "scores", "mode"), key, strict=True))
+            | dict(
+                n=len(sel), group_s=statistics.median(r["group_s"] for r in sel),
+                rank_cpu=statistics.median(statistics.median(r["rank_cpu"]) for r in sel),
+                rank_max=statistics.median(max(r["rank_cpu"]) for r in sel),
+                equal=all(r["equal"] and r["rank_rounds"] == [r["rounds"]] for r in sel),
+            )
+        )  # fmt: skip
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    lines = [
+        "| W | T | E | K | scores | start | solves | group s | group s / W | rank CPU s (median, largest) "
+        "| largest / group | equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r['W']} | {r['T']} | {r['E']} | {r['K']} | {r['scores']} | {r['mode']} | {r['n']} | "
+            f"{r['group_s']:.2f} | {r['group_s'] / r['W']:.3f} | {r['rank_cpu']:.3f}, {r['rank_max']:.3f} | "
+            f"{r['rank_max'] / r['group_s']:.1%} | {'yes' if r['equal'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = score_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), steps=2)
+    ap.add_argument("--threads", type=int, default=1, help="threads of each rank, and of the simulated group")
+    ap.add_argument("--json", help="write every solve's figures here")
+    args = ap.parse_args(argv)
+    if args.replay_steps and not args.run:
+        ap.error("--replay-steps needs --run")
+    scores = "run" if args.run else args.scores
+    if args.run:  # the run's model fixes E and K
+        args.E, args.K = [0], [0]
+
+    def one(world, tokens, experts, k):
+        return run(world, tokens, experts, k, scores, args.steps, run_dir=args.run, replay=args.replay_steps,
+                   threads=args.threads)  # fmt: skip
+
+    grid(args, one, lambda rows: markdown(summary(rows)))
+
+
+if __name__ == "__main__":
+    main()
