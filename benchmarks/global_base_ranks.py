@@ -12,7 +12,8 @@ system CPU seconds of its solve, every thread of the process: its gloo transport
 it, one thread per process (``--threads``), so a machine with fewer cores than ranks still
 gives each rank's CPU seconds, though not its wall time. The waits in the collectives take no
 CPU time. Per solve: the group's time (one thread), every rank's CPU seconds (median and
-largest), and whether every rank's assignment equals the simulated solve's shard of it.
+largest), the largest rank's peak resident memory so far (every rank holds the whole residual
+problem), and whether every rank's assignment equals the simulated solve's shard of it.
 
     python -m benchmarks.global_base_ranks --W 8 32 --T 4096 --E 64 256 --steps 2
     python -m benchmarks.global_base_ranks --W 16 --T 4096 --run runs/base64 --replay-steps 400 --steps 2
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -73,7 +75,8 @@ def _rank(rank: int, world: int, folder: str, problems, tokens: int, k: int, rep
         c0, t0 = time.process_time(), time.thread_time()
         out, p, st = price_balanced_assignment([x], k, red, prices=start)
         cpu, own = time.process_time() - c0, time.thread_time() - t0
-        return p, dict(cpu=cpu, own=own, rounds=st.rounds, out=out[0])
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB so far (Linux: KiB)
+        return p, dict(cpu=cpu, own=own, peak_mb=peak, rounds=st.rounds, out=out[0])
 
     solve(_first(problems, rank, tokens), None)  # untimed: the first call's one-off costs
     rows = list(solve_steps(_shards(problems, rank, tokens), replayed, solve))
@@ -117,6 +120,7 @@ def run(
             | {key: s[key] for key in ("scores", "mode", "step", "layer", "group_s")}
             | dict(
                 rank_cpu=[m["cpu"] for m in mine], rank_own=[m["own"] for m in mine],
+                rank_peak_mb=max(m["peak_mb"] for m in mine),
                 rounds=s["rounds"], rank_rounds=sorted({m["rounds"] for m in mine}),
                 equal=all(torch.equal(m["out"], o) for m, o in zip(mine, s["out"], strict=True)),
             )
@@ -126,34 +130,40 @@ def run(
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per (W, T, E, K, scores, start): medians over the solves of the group's seconds, of the
-    ranks' median CPU seconds and of their largest, and whether every solve was equal."""
+    ranks' median and largest CPU seconds (the solving thread's, ``own``; the process's,
+    ``cpu``), and whether every solve was equal."""
     out = []
     keys = list(dict.fromkeys((r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) for r in rows))
     for key in keys:
         sel = [r for r in rows if (r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) == key]
+        figures = {
+            f"{name}_{how.__name__}": statistics.median(how(r[f"rank_{name}"]) for r in sel)
+            for name in ("own", "cpu")
+            for how in (statistics.median, max)
+        }
         out.append(
             dict(zip(("W", "T", "E", "K", "scores", "mode"), key, strict=True))
-            | dict(
-                n=len(sel), group_s=statistics.median(r["group_s"] for r in sel),
-                rank_cpu=statistics.median(statistics.median(r["rank_cpu"]) for r in sel),
-                rank_max=statistics.median(max(r["rank_cpu"]) for r in sel),
-                equal=all(r["equal"] and r["rank_rounds"] == [r["rounds"]] for r in sel),
-            )
-        )  # fmt: skip
+            | dict(n=len(sel), group_s=statistics.median(r["group_s"] for r in sel))
+            | dict(peak_mb=max(r.get("rank_peak_mb") or 0 for r in sel))
+            | figures
+            | dict(equal=all(r["equal"] and r["rank_rounds"] == [r["rounds"]] for r in sel))
+        )
     return out
 
 
 def markdown(table: list[dict]) -> str:
     lines = [
-        "| W | T | E | K | scores | start | solves | group s | group s / W | rank CPU s (median, largest) "
-        "| largest / group | equal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| W | T | E | K | scores | start | solves | group s | group s / W | a rank's thread s (median, largest) "
+        "| its process s (median, largest) | largest thread / group | a rank's peak MB | equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
+        peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] else "-"  # not in rows of older runs
         lines.append(
             f"| {r['W']} | {r['T']} | {r['E']} | {r['K']} | {r['scores']} | {r['mode']} | {r['n']} | "
-            f"{r['group_s']:.2f} | {r['group_s'] / r['W']:.3f} | {r['rank_cpu']:.3f}, {r['rank_max']:.3f} | "
-            f"{r['rank_max'] / r['group_s']:.1%} | {'yes' if r['equal'] else 'NO'} |"
+            f"{r['group_s']:.2f} | {r['group_s'] / r['W']:.3f} | {r['own_median']:.3f}, {r['own_max']:.3f} | "
+            f"{r['cpu_median']:.3f}, {r['cpu_max']:.3f} | {r['own_max'] / r['group_s']:.1%} | "
+            f"{peak} | {'yes' if r['equal'] else 'NO'} |"
         )
     return "\n".join(lines)
 

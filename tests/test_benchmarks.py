@@ -285,7 +285,7 @@ def test_global_base_ranks_time_each_rank_over_gloo_on_the_simulated_solves():
         assert r["equal"] and r["rank_rounds"] == [r["rounds"]] and r["rounds"] >= 4
         assert len(r["rank_cpu"]) == 2
         assert all(0 < own <= cpu for own, cpu in zip(r["rank_own"], r["rank_cpu"], strict=True))
-        assert r["group_s"] > 0 and (r["W"], r["T"], r["E"], r["K"]) == (2, 64, 8, 2)
+        assert r["group_s"] > 0 and r["rank_peak_mb"] > 0 and (r["W"], r["T"], r["E"], r["K"]) == (2, 64, 8, 2)
     (cold, warm) = global_base_ranks.summary(rows)
     assert (cold["n"], warm["n"]) == (2, 1) and cold["equal"] and warm["equal"]
     last = global_base_ranks.markdown([cold, warm]).splitlines()[-1]
