@@ -7,16 +7,17 @@ On a cluster each rank does its own shard's work (its price counts, its picks, i
 its certificate checks) while the others do theirs, and repeats what every rank does alike (the
 residual solve of the gathered rows, its exchange cycles, the price model). The simulated
 group's time is the sum of every rank's own work and that shared part once; so a rank's compute
-lies between the group's time / W and the group's time. Here each rank's process time (user +
-system CPU seconds of its solve, every thread of the process: its gloo transport too) measures
-it, one thread per process (``--threads``), so a machine with fewer cores than ranks still
-gives each rank's CPU seconds, though not its wall time. The waits in the collectives take no
-CPU time. Per solve: the group's time (one thread), every rank's CPU seconds (median and
-largest), the largest rank's peak resident memory so far (every rank holds the whole residual
-problem), and whether every rank's assignment equals the simulated solve's shard of it.
+lies between the group's time / W and the group's time. Here the CPU seconds of each rank's
+solving thread measure it (``own``), every process and the simulated group on one thread, so a
+machine with fewer cores than ranks still gives each rank's compute, though not its wall time;
+the waits in the collectives take no CPU time. The process's CPU seconds (``cpu``) add its gloo
+transport threads, which NCCL on a cluster replaces. Per solve: the group's time, every rank's
+CPU seconds (median and largest), the margin rows, the largest rank's peak resident memory
+(``VmHWM``: every rank holds the whole residual problem), and whether every rank's assignment
+equals the simulated solve's shard of it.
 
-    python -m benchmarks.global_base_ranks --W 8 32 --T 4096 --E 64 256 --steps 2
-    python -m benchmarks.global_base_ranks --W 16 --T 4096 --run runs/base64 --replay-steps 400 --steps 2
+    python -m benchmarks.global_base_ranks --W 8 64 --T 4096 --E 64 256 --steps 2
+    python -m benchmarks.global_base_ranks --W 16 --T 4096 --run runs/base256 --replay-steps 400 --steps 2
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -64,19 +64,29 @@ def _first(problems, rank: int | None, tokens: int) -> torch.Tensor:
     return next(_shards(problems[:1], rank, tokens))[2][0]
 
 
-def _rank(rank: int, world: int, folder: str, problems, tokens: int, k: int, replayed: bool, threads: int) -> None:
-    torch.set_num_threads(threads)
+def peak_mb() -> float | None:
+    """This process's peak resident memory in MB (``VmHWM``), or None off Linux. Not
+    ``ru_maxrss``: a spawned process starts with its parent's peak there (vfork, then exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _rank(rank: int, world: int, folder: str, problems, tokens: int, k: int, replayed: bool, minutes: float) -> None:
+    torch.set_num_threads(1)  # the thread's CPU seconds are then the rank's compute
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=30))  # fmt: skip
+                            world_size=world, timeout=datetime.timedelta(minutes=minutes))  # fmt: skip
     red = GroupReduce()
 
     def solve(x, start):
         dist.barrier()  # every rank starts together: none counts another's lag as its own
         c0, t0 = time.process_time(), time.thread_time()
         out, p, st = price_balanced_assignment([x], k, red, prices=start)
-        cpu, own = time.process_time() - c0, time.thread_time() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB so far (Linux: KiB)
-        return p, dict(cpu=cpu, own=own, peak_mb=peak, rounds=st.rounds, out=out[0])
+        own = time.thread_time() - t0  # within the process's window
+        cpu = time.process_time() - c0
+        return p, dict(cpu=cpu, own=own, peak_mb=peak_mb(), rounds=st.rounds, out=out[0])
 
     solve(_first(problems, rank, tokens), None)  # untimed: the first call's one-off costs
     rows = list(solve_steps(_shards(problems, rank, tokens), replayed, solve))
@@ -87,40 +97,44 @@ def _rank(rank: int, world: int, folder: str, problems, tokens: int, k: int, rep
 
 def run(
     world: int, tokens: int, experts: int, k: int, scores: str, steps: int, *,
-    run_dir: str | None = None, replay: list[int] | None = None, threads: int = 1,
+    run_dir: str | None = None, replay: list[int] | None = None, timeout_minutes: float = 30,
 ) -> list[dict]:  # fmt: skip
-    """Per solve: the simulated group's seconds on ``threads`` threads (``group_s``), every
-    rank's CPU seconds over gloo (``rank_cpu``: a list in rank order; ``rank_own``: the solving
-    thread's alone), the rounds of both, and ``equal``: every rank's assignment is the
-    simulated solve's rows of it."""
+    """Per solve: the simulated group's seconds on one thread (``group_s``), every rank's CPU
+    seconds over gloo (``rank_cpu``: a list in rank order; ``rank_own``: the solving thread's
+    alone), the largest rank's peak MB, the rounds of both, the margin rows, and ``equal``:
+    every rank's assignment is the simulated solve's rows of it. A rank waits at most
+    ``timeout_minutes`` in a collective, then fails."""
     k, source = score_source(world, tokens, experts, k, scores, steps, run_dir, replay)
     with tempfile.TemporaryDirectory() as folder:
         problems = _problems(folder, source)
         before = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        torch.set_num_threads(1)
         try:
 
             def simulated(x, start):
                 parts = list(x.split(tokens))
                 t0 = time.perf_counter()
                 out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
-                return p, dict(E=x.shape[1], group_s=time.perf_counter() - t0, rounds=st.rounds, out=out)
+                seconds = time.perf_counter() - t0
+                return p, dict(E=x.shape[1], group_s=seconds, rounds=st.rounds, margin_rows=st.margin_rows, out=out)
 
             simulated(_first(problems, None, tokens), None)  # untimed, as on the ranks
             sim = list(solve_steps(_shards(problems, None, tokens), scores == "run", simulated))
         finally:
             torch.set_num_threads(before)
-        mp.spawn(_rank, args=(world, folder, problems, tokens, k, scores == "run", threads), nprocs=world)
+        mp.spawn(_rank, args=(world, folder, problems, tokens, k, scores == "run", timeout_minutes), nprocs=world)
         ranks = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
     rows = []
     for i, s in enumerate(sim):
         mine = [r[i] for r in ranks]
+        solved = {(m["step"], m["layer"], m["mode"]) for m in mine}
+        assert solved == {(s["step"], s["layer"], s["mode"])}, f"solve {i}: the ranks solved {solved}"
         rows.append(
             dict(W=world, T=tokens, E=s["E"], K=k)
-            | {key: s[key] for key in ("scores", "mode", "step", "layer", "group_s")}
+            | {key: s[key] for key in ("scores", "mode", "step", "layer", "group_s", "margin_rows")}
             | dict(
                 rank_cpu=[m["cpu"] for m in mine], rank_own=[m["own"] for m in mine],
-                rank_peak_mb=max(m["peak_mb"] for m in mine),
+                rank_peak_mb=max(m["peak_mb"] or 0 for m in mine) or None,
                 rounds=s["rounds"], rank_rounds=sorted({m["rounds"] for m in mine}),
                 equal=all(torch.equal(m["out"], o) for m, o in zip(mine, s["out"], strict=True)),
             )
@@ -170,7 +184,6 @@ def markdown(table: list[dict]) -> str:
 
 def main(argv=None) -> None:
     ap = score_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), steps=2)
-    ap.add_argument("--threads", type=int, default=1, help="threads of each rank, and of the simulated group")
     ap.add_argument("--json", help="write every solve's figures here")
     args = ap.parse_args(argv)
     if args.replay_steps and not args.run:
@@ -180,8 +193,7 @@ def main(argv=None) -> None:
         args.E, args.K = [0], [0]
 
     def one(world, tokens, experts, k):
-        return run(world, tokens, experts, k, scores, args.steps, run_dir=args.run, replay=args.replay_steps,
-                   threads=args.threads)  # fmt: skip
+        return run(world, tokens, experts, k, scores, args.steps, run_dir=args.run, replay=args.replay_steps)
 
     grid(args, one, lambda rows: markdown(summary(rows)))
 

@@ -279,7 +279,7 @@ def test_global_base_ranks_time_each_rank_over_gloo_on_the_simulated_solves():
     rounds and to the same assignment, and each rank's CPU seconds are counted."""
     from benchmarks import global_base_ranks
 
-    rows = global_base_ranks.run(2, 64, 8, 2, "random", 2)
+    rows = global_base_ranks.run(2, 64, 8, 2, "random", 2, timeout_minutes=2)
     assert [(r["step"], r["mode"]) for r in rows] == [(0, "cold"), (1, "cold"), (1, "warm")]
     for r in rows:
         assert r["equal"] and r["rank_rounds"] == [r["rounds"]] and r["rounds"] >= 4
