@@ -197,7 +197,6 @@ def run(
         t0 = time.perf_counter()
         out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
         seconds = time.perf_counter() - t0
-        del parts
         objective = verify(x, torch.cat(out), p, k, check_max_gb) if check else None
         return p, dict(
             W=world, T=tokens, E=x.shape[1], K=k, rounds=st.rounds, updates=st.price_updates, checks=st.checks,
@@ -266,14 +265,22 @@ def verify(x: torch.Tensor, out: torch.Tensor, prices: torch.Tensor | None, k: i
     return "certified"
 
 
+CONFIG = ("W", "T", "E", "K", "scores", "mode")
+
+
+def by_config(rows: list[dict]):
+    """Per configuration (`CONFIG`'s fields), in the order first seen: (its fields as a dict,
+    its rows)."""
+    for key in dict.fromkeys(tuple(r[f] for f in CONFIG) for r in rows):
+        yield dict(zip(CONFIG, key, strict=True)), [r for r in rows if tuple(r[f] for f in CONFIG) == key]
+
+
 def summary(rows: list[dict]) -> list[dict]:
     out = []
-    keys = list(dict.fromkeys((r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) for r in rows))
-    for key in keys:
-        sel = [r for r in rows if (r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) == key]
+    for config, sel in by_config(rows):
         med = {f: statistics.median(r[f] for r in sel) for f in ("rounds", "bytes", "margin_rows", "seconds")}
         out.append(
-            dict(zip(("W", "T", "E", "K", "scores", "mode"), key, strict=True))
+            config
             | med
             | dict(n=len(sel), max_rounds=max(r["rounds"] for r in sel), gathered_bytes=sel[0]["gathered_bytes"])
             | dict(objective=_objective([r.get("objective") for r in sel]))
@@ -344,6 +351,17 @@ def score_args(ap: argparse.ArgumentParser, steps: int) -> argparse.ArgumentPars
     return ap
 
 
+def parse_score_args(ap: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, str]:
+    """The arguments, and the scores' kind (``run`` with ``--run``, whose model then sets E and K)."""
+    args = ap.parse_args(argv)
+    if args.run:
+        cfg = run_model_config(args.run)
+        args.E, args.K = [cfg.moe.num_experts], [cfg.moe.top_k]
+    elif args.replay_steps:
+        ap.error("--replay-steps needs --run")
+    return args, "run" if args.run else args.scores
+
+
 def main(argv=None) -> None:
     _large_buffers_from_mmap()
     ap = score_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), steps=4)
@@ -352,13 +370,7 @@ def main(argv=None) -> None:
                     help="compare with the stacked solve only where its scores take at most this many GB "
                     "(that solve holds several copies); beyond, certify by the prices' bound")  # fmt: skip
     ap.add_argument("--json", help="write every solve's figures here")
-    args = ap.parse_args(argv)
-    scores = "run" if args.run else args.scores
-    if args.run:  # the run's model fixes E and K
-        cfg = run_model_config(args.run)
-        args.E, args.K = [cfg.moe.num_experts], [cfg.moe.top_k]
-    elif args.replay_steps:
-        ap.error("--replay-steps needs --run")
+    args, scores = parse_score_args(ap, argv)
 
     def one(world, tokens, experts, k):
         return run(world, tokens, experts, k, scores, args.steps, args.check, check_max_gb=args.check_max_gb,

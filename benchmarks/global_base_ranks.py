@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.global_base import grid, score_args, score_source, solve_steps
+from benchmarks.global_base import by_config, grid, parse_score_args, score_args, score_source, solve_steps
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
 
@@ -147,16 +147,14 @@ def summary(rows: list[dict]) -> list[dict]:
     ranks' median and largest CPU seconds (the solving thread's, ``own``; the process's,
     ``cpu``), and whether every solve was equal."""
     out = []
-    keys = list(dict.fromkeys((r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) for r in rows))
-    for key in keys:
-        sel = [r for r in rows if (r["W"], r["T"], r["E"], r["K"], r["scores"], r["mode"]) == key]
+    for config, sel in by_config(rows):
         figures = {
             f"{name}_{how.__name__}": statistics.median(how(r[f"rank_{name}"]) for r in sel)
             for name in ("own", "cpu")
             for how in (statistics.median, max)
         }
         out.append(
-            dict(zip(("W", "T", "E", "K", "scores", "mode"), key, strict=True))
+            config
             | dict(n=len(sel), group_s=statistics.median(r["group_s"] for r in sel))
             | dict(peak_mb=max(r.get("rank_peak_mb") or 0 for r in sel))
             | figures
@@ -185,12 +183,7 @@ def markdown(table: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = score_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), steps=2)
     ap.add_argument("--json", help="write every solve's figures here")
-    args = ap.parse_args(argv)
-    if args.replay_steps and not args.run:
-        ap.error("--replay-steps needs --run")
-    scores = "run" if args.run else args.scores
-    if args.run:  # the run's model fixes E and K
-        args.E, args.K = [0], [0]
+    args, scores = parse_score_args(ap, argv)
 
     def one(world, tokens, experts, k):
         return run(world, tokens, experts, k, scores, args.steps, run_dir=args.run, replay=args.replay_steps)
