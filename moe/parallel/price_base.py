@@ -19,20 +19,22 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    E slots in all, or at most 40 updates from zero prices and 20 from given ones, a previous
    call's or the local start's (`PRICE_ITERS`); from given ones, also once two updates have
    taken less than a fifth off the miss (stalled: a trained router's scores, where each
-   further update buys little and costs a round). Where those (warm) updates stall or reach
-   their cap, 3 pair rounds follow (`price_prices.pair_prices`) when their E x E x 4
-   int32 counts (and their 4 rounds, at ``round_bytes`` each where given) cost less than the
-   eighth of the tokens the margin would otherwise hold: the
-   tokens counted by the pair of experts they stand between and their margin, from which
-   every rank moves the prices alike; one max of the prices and the last move then agrees
-   on their bits. Where they would cost more (E = 256), the stalled or capped prices were a
-   previous call's, and the local start's gather and updates cost less than that eighth
-   (`price_prices.local_start_pays`), the local start runs too, and the solve keeps
-   whichever prices leave the loads' smaller miss as last measured (at the prices where the
-   updates stopped early, one move before them where they reached their cap; each run's last
-   move goes with its prices as the band): a previous call's prices are the optimum
-   of other tokens, and on a trained router's scores they can sit further from this call's
-   than the ranks' own solves of it;
+   further update buys little and costs a round). Where a previous call's prices stall or
+   reach their cap and the local start's gather and updates cost less than the eighth of the
+   tokens the margin would otherwise hold (`price_prices.local_start_pays`), the local start
+   runs too, and the solve keeps whichever prices leave the loads' smaller miss as last
+   measured (at the prices where the updates stopped early, one move before them where they
+   reached their cap; each run's last move goes with its prices as the band): a previous
+   call's prices are the optimum of other tokens, and on a trained router's scores they can
+   sit further from this call's than the ranks' own solves of it. Where the kept (or a local
+   start's own) updates stall or reach their cap, 3 pair rounds follow
+   (`price_prices.pair_prices`) when their E x E x 4 int32 counts (and their 5 rounds, at
+   ``round_bytes`` each where given) cost less than that eighth: the tokens counted by the
+   pair of experts they stand between and their margin, from which every rank moves the
+   prices alike; one max of the prices and the last move then agrees on their bits, and one
+   sum of the loads checks them: where the loads miss by more than before, they run again
+   with a narrower window, and where no try helps the prices stay as they were (at E = 256
+   they cost more);
 3. the margin (`price_margin`): every token picks its K best under the prices; those whose
    K-th choice is ahead of the next by less than a band (the last price move, per expert, grown
    where the fixed tokens overfill an expert or the gathered rows cannot fill one) travel as
@@ -192,9 +194,8 @@ def price_balanced_assignment(
         local_start: without ``prices`` and on more than one rank, start from the per-expert
             median of every rank's prices for its own tokens alone (`_local_start`: one gather
             of W x E float32, and a solve of the local tokens); False: from zero prices. With
-            ``prices`` whose updates stall or reach their cap, on more than one rank, where the
-            pair rounds do not pay and `price_prices.local_start_pays`, the local start is
-            tried as well (above).
+            ``prices`` whose updates stall or reach their cap, on more than one rank, where
+            `price_prices.local_start_pays`, the local start is tried as well (above).
         round_bytes: what one more round of collectives costs, as the bytes a rank receives in
             the time of its latency (e.g. 50 us at 25 GB/s: 1.25e6); the pair rounds run only
             where their bytes and rounds at this price cost less than the wide margin they
@@ -236,30 +237,39 @@ def price_balanced_assignment(
         )
         row = margin_row_bytes(total, num_experts, k, dtype)
         spared = CAPPED_SHARE * total * row  # what a margin of the capped eighth would send
-        if start is not None and not converged and max_price_iters > 0:
-            if pair_rounds_pay(num_experts, spared, round_bytes):
-                # warm, stalled or capped: the pair rounds cost less than the wide margin they spare
-                # (their windows suit a previous call's prices, a few 1e-3 off; the cold updates'
-                # slow modes are further, and there they widened the margin)
-                p, n, width = pair_prices(s_parts, caps, k, red, p)
+        if (
+            prices is not None
+            and start is not None
+            and not converged
+            and max_price_iters > 0
+            and local_start
+            and red.world > 1
+            and local_start_pays(red.world, num_experts, max_price_iters, spared, round_bytes)
+        ):
+            # a previous call's prices stalled or reached their cap: the local start too, and
+            # whichever prices leave the loads' smaller miss (on a trained router's scores the
+            # previous batch's optimum can sit further from this one's than the ranks' own solves)
+            local = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)
+            if local is not None:
+                q, n, q_width, q_converged, q_miss = jacobi_prices(
+                    s_parts, caps, k, red, local, max_iters=max_price_iters, tol=num_experts
+                )
                 stats.price_updates += n
-                converged = True
-            elif (
-                prices is not None
-                and local_start
-                and red.world > 1
-                and local_start_pays(red.world, num_experts, max_price_iters, spared, round_bytes)
-            ):
-                # a previous call's prices stalled and the pair rounds cost more than they spare:
-                # the local start too, and whichever prices leave the loads' smaller miss
-                local = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)
-                if local is not None:
-                    q, n, q_width, q_converged, q_miss = jacobi_prices(
-                        s_parts, caps, k, red, local, max_iters=max_price_iters, tol=num_experts
-                    )
-                    stats.price_updates += n
-                    if q_miss < miss:  # both measured: max_price_iters > 0
-                        p, width, converged = q, q_width, q_converged
+                if q_miss < miss:  # both measured: max_price_iters > 0
+                    p, width, converged = q, q_width, q_converged
+        if (
+            start is not None
+            and not converged
+            and max_price_iters > 0
+            and pair_rounds_pay(num_experts, spared, round_bytes)
+        ):
+            # stalled or capped: the pair rounds cost less than the wide margin they spare
+            # (their windows suit prices a few 1e-3 off; the cold updates' slow modes are
+            # further, and there they widened the margin)
+            q, n, q_width, fell = pair_prices(s_parts, caps, k, red, p)
+            stats.price_updates += n
+            if fell:  # else the prices as they were, and the margin of a stalled call
+                p, width, converged = q, q_width, True
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles

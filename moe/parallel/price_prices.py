@@ -127,20 +127,22 @@ PAIR_BINS = 4  # per expert pair and round: E x E x PAIR_BINS + E int32 counts t
 PAIR_ROUNDS = 3
 PAIR_WINDOW = 4e-3  # the first round's window, in the normalised scores ([-1, 0] per token)
 PAIR_SHRINK = 4.0  # the window narrows by this each round
+PAIR_TRIES = 3  # pair rounds from the same prices, the first window halved each time the loads' miss grew
 _MODEL_STEPS = 50  # Newton steps on the model, each rank alike (numpy, float64)
 
 
 def pair_bytes(num_experts: int) -> int:
-    """Bytes each rank receives over the `PAIR_ROUNDS` pair rounds."""
-    return PAIR_ROUNDS * (num_experts * num_experts * PAIR_BINS + num_experts) * 4
+    """Bytes each rank receives over the `PAIR_ROUNDS` pair rounds and the loads that check
+    them (one try of `pair_prices`)."""
+    return (PAIR_ROUNDS * (num_experts * num_experts * PAIR_BINS + num_experts) + num_experts) * 4
 
 
 def pair_rounds_pay(num_experts: int, spared_bytes: float, round_bytes: float = 0.0) -> bool:
     """Whether the pair rounds cost less than the margin bytes they spare (``spared_bytes``):
-    their counts plus their `PAIR_ROUNDS` + 1 collectives at ``round_bytes`` each (a round's
+    their counts plus their `PAIR_ROUNDS` + 2 collectives at ``round_bytes`` each (a round's
     latency as the bytes the link moves meanwhile; 0 weighs the bytes alone). The solver and
     the planner decide by this one rule."""
-    return pair_bytes(num_experts) + (PAIR_ROUNDS + 1) * round_bytes < spared_bytes
+    return pair_bytes(num_experts) + (PAIR_ROUNDS + 2) * round_bytes < spared_bytes
 
 
 def local_start_pays(world: int, num_experts: int, updates: int, spared_bytes: float, round_bytes: float = 0.0) -> bool:
@@ -229,20 +231,49 @@ def model_move(pairs_EEB: np.ndarray, excess_E: np.ndarray, window: float) -> np
 
 def pair_prices(
     s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor
-) -> tuple[Tensor, int, float]:
+) -> tuple[Tensor, int, float, bool]:
     """`PAIR_ROUNDS` rounds of pair counts from prices ``p``, each moving them by
     `model_move`, the window narrowing by `PAIR_SHRINK`; then one max of the prices and the
-    last move, so that every rank holds the same bits whatever its BLAS did. Returns (the prices (E,)
-    float64, the collectives, the last move: what the prices are known to within, roughly)."""
+    last move, so that every rank holds the same bits whatever its BLAS did, and one sum of
+    the loads at them. The model takes the counts as evenly spread within a bin, which a
+    cluster of near-equal tokens is not: where the loads then miss the capacities by more than
+    at ``p`` (the first round's loads), the rounds run again from ``p`` with half the first
+    window, at most `PAIR_TRIES` times in all. Returns (the prices (E,) float64, the
+    collectives, the last move: what the prices are known to within, roughly; whether the
+    loads' miss fell: if not, ``p`` itself and its miss as it was)."""
+    window, used = PAIR_WINDOW, 0
+    for _ in range(PAIR_TRIES):
+        q, step, before = _pair_rounds(s_parts, caps, k, red, p_E, window)
+        p1 = q.to(s_parts[0].dtype)[:, None]
+        loads = red.sum(
+            [torch.bincount(pick_slots(s, p1, k).flatten(), minlength=s.shape[0]).to(torch.int32) for s in s_parts]
+        )
+        used += PAIR_ROUNDS + 2
+        if int((loads.cpu() - capacities(caps, q).cpu()).abs().sum()) <= before:
+            return q, used, step, True
+        window /= 2
+    return p_E.to(torch.float64), used, 0.0, False
+
+
+def pick_slots(s_ET: Tensor, p_E1: Tensor, k: int) -> Tensor:
+    """(T, K): each token's K best experts under the prices."""
+    return torch.topk(s_ET - p_E1, k, dim=0).indices.T
+
+
+def _pair_rounds(s_parts, caps, k, red, p_E, window) -> tuple[Tensor, float, int]:
+    """One try of `pair_prices` from ``window``: (the agreed prices, the agreed last move, the
+    loads' miss at ``p`` from the first round's counts)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
-    p, window, step = p_E.to(torch.float64), PAIR_WINDOW, 0.0
+    p, step, before = p_E.to(torch.float64), 0.0, None
     for _ in range(PAIR_ROUNDS):
         p1 = p.to(dtype)[:, None]
         summed = red.sum([pair_counts(s, p1, k, window) for s in s_parts]).cpu().numpy().astype(np.int64)
         n = num_experts * num_experts * PAIR_BINS
         pairs = summed[:n].reshape(num_experts, num_experts, PAIR_BINS).astype(np.float64)
         excess = summed[n:] - capacities(caps, p).cpu().numpy()
+        if before is None:
+            before = int(np.abs(excess).sum())
         with solve_threads(("pair model", num_experts)):  # one thread where the other cores are busy
             move = model_move(pairs, excess, window)
         p = p + torch.from_numpy(move).to(p.device)
@@ -250,4 +281,4 @@ def pair_prices(
         window /= PAIR_SHRINK
     last = torch.tensor([step], dtype=torch.float64, device=p.device)
     agreed = red.max([torch.cat([p, last]).to(s.device) for s in s_parts]).to(p.device)
-    return agreed[:-1], PAIR_ROUNDS + 1, float(agreed[-1])  # the last move agreed too: it sets the band
+    return agreed[:-1], float(agreed[-1]), before  # the last move agreed too: it sets the band

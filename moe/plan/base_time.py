@@ -17,12 +17,12 @@ all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, 
 own passes over its (T, E) scores (histograms, the pick) read them `PASSES` times from HBM.
 This model is of separated (random) scores by default. A trained router's scores
 (`STALLED`): the price updates stall, and the pair rounds follow where their E x E x 4 int32
-counts (and their 4 more rounds, at the router config's ``base_round_bytes`` each) cost less
+counts (and their 5 more rounds, at the router config's ``base_round_bytes`` each) cost less
 than the eighth of the tokens the margin would otherwise hold, the solver's own rule
 (`price_prices.pair_rounds_pay`); docs/scale.md costs that case with the replay's measured
-updates and margin. Where they do not run, a stalled warm solve also tries the local start
-(`restarts`) where its gather and up to `price_base.PRICE_ITERS` [1] more updates cost less
-than that eighth (`price_prices.local_start_pays`, called as the solver calls it): costed as
+updates and margin. Before them a stalled warm solve also tries the local start (`restarts`)
+where its gather and up to `price_base.PRICE_ITERS` [1] more updates cost less than that
+eighth (`price_prices.local_start_pays`, called as the solver calls it): costed as
 its gather, `PRICE_UPDATES` more updates and their rounds, and the rank's cold solve of its
 own tokens as `LOCAL_SOLVE_PASSES` passes over its scores (its updates up to their cap and
 the margin; its exchange cycles are not counted).
@@ -83,10 +83,10 @@ def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
 
 
 def restarts(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
-    """Whether a stalled solve also runs the local start: the pair rounds do not run, and its
-    gather and updates cost less than the eighth of the tokens at the margin, at the router
-    config's ``base_round_bytes`` a round (`price_base.price_balanced_assignment`)."""
-    if not STALLED or pair_rounds(cfg, lay, tokens):
+    """Whether a stalled solve also runs the local start: its gather and updates cost less than
+    the eighth of the tokens at the margin, at the router config's ``base_round_bytes`` a round
+    (`price_base.price_balanced_assignment`); the pair rounds may follow it."""
+    if not STALLED:
         return False
     spared = CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
     round_bytes = cfg.moe.router_config().base_round_bytes
@@ -100,7 +100,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     header = reduce * (8 + 3 * W) * 8
     prices = PRICE_UPDATES * reduce * 18 * E * 4
     pairs = pair_rounds(cfg, lay, tokens)
-    pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max
+    pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)
     counts = reduce * (E + W + 33) * 8
     share = margin_share(E)
     if STALLED and not pairs:  # stalled without the pair rounds: at least the cap's eighth
@@ -114,7 +114,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
     pairs, restart = pair_rounds(cfg, lay, tokens), restarts(cfg, lay, tokens)
-    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 1 if pairs else 0) + (1 + PRICE_UPDATES if restart else 0)
+    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 2 if pairs else 0) + (1 + PRICE_UPDATES if restart else 0)
     passes = PASSES + (PAIR_ROUNDS if pairs else 0) + (LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES if restart else 0)
     local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

@@ -195,17 +195,22 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_a_stalled_warm_start_without_pair_rounds_tries_the_local_start(k):
+def test_a_stalled_warm_start_tries_the_local_start(k):
     """Warm started from the draw's own optimal prices moved by 0.3% of the range (even draws)
-    or 3% (odd ones), the updates stalled after two (`STALL` 0), where the pair rounds would
-    cost more than they spare: the local start and its updates run too, and the solve keeps
-    whichever prices leave the loads' smaller miss, with their last move as its band (both
-    outcomes occur over the draws; one rank has no tokens). The objective is the single-process
-    solver's either way; with pair rounds that pay, where the start's gather and updates would
-    cost more than the margin at stake, or without a previous call's prices, no second start."""
+    or 3% (odd ones), the updates stalled after two (`STALL` 0): the local start and its
+    updates run too, and the solve keeps whichever prices leave the loads' smaller miss, with
+    their last move as its band (both outcomes occur over the draws; one rank has no tokens).
+    Where the pair rounds pay they follow, from the kept prices. The objective is the
+    single-process solver's either way; where the start's gather and updates would cost more
+    than the margin at stake, or without a previous call's prices, no second start."""
     sizes = [150, 0, 164, 171, 178, 185]
-    runs, starts, solved = [], [], []  # of the group's solve (the local starts' own solves are left out)
+    runs, starts, solved, paired = [], [], [], []  # of the group's solve (the local starts' own solves are left out)
     real_jacobi, real_start, real_margin = price_base.jacobi_prices, price_base._local_start, price_base.solve_margin
+    real_pairs = price_base.pair_prices
+
+    def pair(s_parts, caps, k_, red, p):
+        paired.append(p)
+        return real_pairs(s_parts, caps, k_, red, p)
 
     def jacobi(s_parts, *a, **kw):
         got = real_jacobi(s_parts, *a, **kw)
@@ -227,6 +232,7 @@ def test_a_stalled_warm_start_without_pair_rounds_tries_the_local_start(k):
             mock.patch.object(price_base, "jacobi_prices", jacobi),
             mock.patch.object(price_base, "_local_start", local),
             mock.patch.object(price_base, "solve_margin", margin),
+            mock.patch.object(price_base, "pair_prices", pair),
             mock.patch.object(price_base, "pair_rounds_pay", lambda *a: pairs),
             mock.patch.object(price_base, "local_start_pays", lambda *a: pays),
             mock.patch.object(price_prices, "STALL", 0.0),
@@ -252,10 +258,16 @@ def test_a_stalled_warm_start_without_pair_rounds_tries_the_local_start(k):
         got = torch.cat(out)  # the tied group makes the optimum not unique: its objective
         check_feasible(got, sum(sizes), 16, k)
         assert abs(float(assignment_score(x, got) - assignment_score(x, balanced_assignment(x, k)))) <= 2 * bound(x, k)
-        for pairs, pays in ((True, True), (False, False)):  # the pair rounds instead; or the start costs more
-            runs.clear(), starts.clear()
-            solve(x, far, pairs, pays)
-            assert not starts and len(runs) == 1
+        assert not paired  # the pair rounds would cost more than they spare
+        runs.clear(), starts.clear()
+        solve(x, far, pairs=True)  # they pay: the local start first, then they follow from the kept prices
+        assert len(starts) == 1 and len(runs) == 2
+        smaller = runs[1] if runs[1][4] < runs[0][4] else runs[0]
+        assert len(paired) == 1 and torch.equal(paired[0], smaller[0])
+        for pairs in (True, False):  # the start costs more than the margin at stake: not tried
+            runs.clear(), starts.clear(), paired.clear()
+            solve(x, far, pairs, pays=False)
+            assert not starts and len(runs) == 1 and len(paired) == pairs
         runs.clear()
         solve(x, None)
         assert len(starts) == 1 and len(runs) == 1  # a cold call: its one local start, no second
@@ -283,12 +295,14 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     _, prices, _ = price_balanced_assignment(split(before, sizes), k, ShardReduce(8))
     spared = price_base.CAPPED_SHARE * sum(sizes) * price_rows.margin_row_bytes(sum(sizes), 8, k, x.dtype)
     assert price_prices.pair_bytes(8) < spared  # they pay: the rule runs them
-    out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1)
-    assert stats.price_updates == 1 + price_prices.PAIR_ROUNDS + 1  # and the max that agrees on them
+    out, _, stats = price_balanced_assignment(  # the local start off: the test above
+        split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1, local_start=False
+    )
+    assert stats.price_updates == 1 + price_prices.PAIR_ROUNDS + 2  # the max that agrees on them, the loads' check
     assert stats.margin_rows < price_base.CAPPED_SHARE * sum(sizes) / 4, stats
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
     # a round worth just under, then just over, what leaves the rounds and their counts even
-    even = (spared - price_prices.pair_bytes(8)) / (price_prices.PAIR_ROUNDS + 1)
+    even = (spared - price_prices.pair_bytes(8)) / (price_prices.PAIR_ROUNDS + 2)
     for round_bytes, runs in ((0.99 * even, True), (1.01 * even, False)):
         got, _, st = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1,
                                                round_bytes=round_bytes, local_start=False)  # fmt: skip
@@ -302,6 +316,52 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     )
     assert cold_stats.price_updates == 1  # from zero prices: no pair rounds (their windows suit a warm start)
     assert torch.equal(same_order(torch.cat(cold)), same_order(torch.cat(out)))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_pair_rounds_that_raise_the_miss_run_again_narrower_or_leave_the_prices(k):
+    """The loads at the pair rounds' prices are counted once more (one sum of E). Where a try
+    leaves them further off than the prices it started from (here its first move is replaced by
+    one that sends expert 0's price far up), the rounds run again from those prices with half
+    the first window; where every try does so, the prices stay as they were and the margin is
+    a stalled call's, the eighth. The assignment is the single-process solver's either way."""
+    sizes = [250 + 13 * i for i in range(8)]
+    before, x = flat_scores(k, sum(sizes), 8)
+    _, prices, _ = price_balanced_assignment(split(before, sizes), k, ShardReduce(8))
+    real_move, windows = price_prices.model_move, []
+
+    def move(pairs, excess, window, bad=()):
+        windows.append(window)
+        got = real_move(pairs, excess, window)
+        if window in bad:
+            got = got.copy()
+            got[0] += 0.5  # expert 0 far dearer: its tokens leave, the miss grows
+        return got
+
+    def solve(bad):
+        windows.clear()
+        with mock.patch.object(price_prices, "model_move", lambda *a: move(*a, bad=bad)):
+            return price_balanced_assignment(
+                split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1, local_start=False
+            )
+
+    first, shrink = price_prices.PAIR_WINDOW, price_prices.PAIR_SHRINK
+    ref = same_order(balanced_assignment(x, k))
+    out, _, stats = solve(bad=())
+    one_try = [first, first / shrink, first / shrink**2]
+    assert windows == one_try
+    assert stats.margin_rows < price_base.CAPPED_SHARE * sum(sizes) / 4
+    again, _, again_stats = solve(bad=(first,))
+    assert windows == one_try + [w / 2 for w in one_try]  # a second try, from half the first window
+    assert again_stats.price_updates == stats.price_updates + price_prices.PAIR_ROUNDS + 2
+    assert again_stats.margin_rows < price_base.CAPPED_SHARE * sum(sizes) / 4
+    tries = price_prices.PAIR_TRIES
+    kept, _, kept_stats = solve(bad=tuple(first / 2**i for i in range(tries)))
+    assert len(windows) == tries * price_prices.PAIR_ROUNDS
+    assert kept_stats.price_updates == 1 + tries * (price_prices.PAIR_ROUNDS + 2)
+    assert kept_stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)  # the prices as they were: a stalled call's
+    for got in (out, again, kept):
+        assert torch.equal(same_order(torch.cat(got)), ref)
 
 
 def test_a_cold_start_is_the_median_of_the_ranks_own_prices():
@@ -713,16 +773,17 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     assert stats.checks >= 2 and first // width < stats.margin_rows, stats  # rows new to the certificate
     start = sum(sizes[:me])
     assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me
-    # the pair rounds after one update from the previous scores' prices: the same counts,
-    # moves and agreed prices on every rank as one process solving the stacked problem
+    # the pair rounds after one update from the previous scores' prices (the local start off:
+    # one process has none): the same counts, moves and agreed prices on every rank as one
+    # process solving the stacked problem
     sizes = [0 if j == 1 else 80 + 9 * j for j in range(world)]
     before, x = flat_scores(seed + 40, sum(sizes), 8)
     _, p0, _ = price_balanced_assignment([before], 2, ShardReduce(1))
     with mock.patch.object(price_base, "pair_rounds_pay", lambda *a: True):  # they run whatever they cost
         (got,), p_got, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group),
-                                                         prices=p0, max_price_iters=1)  # fmt: skip
+                                                         prices=p0, max_price_iters=1, local_start=False)  # fmt: skip
         (one,), p_one, one_stats = price_balanced_assignment([x], 2, ShardReduce(1), prices=p0, max_price_iters=1)
-    assert stats.price_updates == one_stats.price_updates == 1 + price_prices.PAIR_ROUNDS + 1
+    assert stats.price_updates == one_stats.price_updates == 1 + price_prices.PAIR_ROUNDS + 2
     start = sum(sizes[:me])
     assert torch.equal(p_got, p_one) and torch.equal(got, one[start : start + sizes[me]]), me
     assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me
