@@ -40,8 +40,9 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    where the fixed tokens overfill an expert or the gathered rows cannot fill one) travel as
    rows of their K + 3 best experts, and every rank solves the same residual problem: the
    fill into the room the fixed tokens leave, then exchange cycles. Where the price updates
-   reach their cap or stall and no pair rounds follow, the prices are further off than their
-   last move says, and the margin holds at least an eighth of the tokens (`CAPPED_SHARE`);
+   reach their cap or stall and no pair rounds follow (or none lowered the loads' miss), the
+   prices are further off than their last move says, and the margin holds at least an
+   eighth of the tokens (`CAPPED_SHARE`);
 4. the certificate (`price_margin`): every rank checks its tokens against the cycles' final
    prices; those that could gain travel too, and the cycles go on until none can: the
    optimality condition of the transportation problem, as in the single-process solver

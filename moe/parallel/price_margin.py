@@ -4,36 +4,36 @@ certificate that no token anywhere in the group could gain under the residual's 
 
 Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gathered rows.
 
-3. the margin: every token picks its K best under the prices; those whose K-th choice is
-   ahead of the next by less than a band are margin rows, the rest are fixed. The band is the
-   last price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values
-   (the fixed tokens' loads, the margin rows per rank, every token counted by its margin in
-   bins growing 2x) and one gather of the margin rows give every rank the same residual
-   problem, which each solves the same way: the greedy fill into the room the fixed tokens
-   leave, then exchange cycles (`moe.routing.exchange`). A row carries the token's K + 3 best
-   experts under the prices, its slots first, not all E, and travels as bytes: the experts
-   (uint8 up to 256) and their fp32 scores, 5 (K + 3) bytes against K + 4E for every column
-   (`RowLayout`), and no index: the rows come in rank order, and each rank knows which of its
-   tokens it sent; the other columns count as ``UNSENT``, below every score. Fewer rows in the
-   band than asked for (2E, or an eighth of the tokens where the price updates reached their
-   cap or stalled and no pair rounds followed: `price_base`) widen it first, to the bin edge with enough below it (one
-   more sum): so thin a margin leaves the cycles too few moves to take up the loads' last
-   misses, the certificate's prices move far from the picks' and many fixed tokens fail. Each
-   expert has its own band, which a token takes at the widest of its slots': where the fixed
-   tokens overfill experts, their bands alone grow 4x (one more sum each), so a cluster of
-   near-equal tokens on the wrong side of one boundary widens that boundary, not every
-   token's. Where the fill finds no completion, every band grows 4x. Where the cycles on the
-   gathered rows alone (no collective; the certificate's first round reuses them) leave a row
-   on a column it did not carry, the rows cannot fill those experts on their own columns: the
-   certificate's prices for them would fall far below the picks' and many fixed tokens fail.
-   While more fixed tokens would fail against those prices than every band 4x would add (one
-   sum of 3 values), the margin grows, else the certificate takes the failing ones. It grows
-   by a pull on the experts short of rows where rows travel (W > 1) and that adds rows, but
-   at most an eighth of what every band 4x would (`PULL_SHARE`), else by every band 4x: a
-   pull takes the tokens whose K-th choice under the prices is ahead of a short expert by
-   less than 4x that expert's band (4x the larger of its band and its last pull when it grows
-   again, up to 4), and the rows it adds carry that expert. A wider margin sends
-   only the tokens it adds (the prices, and so a token's row, stay), one gather each;
+3. the margin: every token picks its K best under the prices; those whose K-th choice is ahead
+   of the next by less than a band are margin rows, the rest are fixed. The band is the last
+   price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values (the
+   fixed tokens' loads, the margin rows per rank, every token counted by its margin in bins
+   growing 2x) and one gather of the margin rows give every rank the same residual problem,
+   which each solves the same way: the greedy fill into the room the fixed tokens leave, then
+   exchange cycles (`moe.routing.exchange`). A row carries the token's K + 3 best experts under
+   the prices, its slots first, not all E, and travels as bytes: the experts (uint8 up to 256)
+   and their fp32 scores, 5 (K + 3) bytes against K + 4E for every column (`RowLayout`), and no
+   index: the rows come in rank order, and each rank knows which of its tokens it sent; the
+   other columns count as ``UNSENT``, below every score. Fewer rows in the band than asked for
+   (2E, or an eighth of the tokens where the price updates reached their cap or stalled and no
+   pair rounds followed or helped: `price_base`) widen it first, to the bin edge with enough
+   below it (one more sum): so thin a margin leaves the cycles too few moves to take up the
+   loads' last misses, the certificate's prices move far from the picks' and many fixed tokens
+   fail. Each expert has its own band, which a token takes at the widest of its slots': where
+   the fixed tokens overfill experts, their bands alone grow 4x (one more sum each), so a
+   cluster of near-equal tokens on the wrong side of one boundary widens that boundary, not
+   every token's. Where the fill finds no completion, every band grows 4x. Where the cycles on
+   the gathered rows alone (no collective; the certificate's first round reuses them) leave a
+   row on a column it did not carry, the rows cannot fill those experts on their own columns:
+   the certificate's prices for them would fall far below the picks' and many fixed tokens
+   fail. While more fixed tokens would fail against those prices than every band 4x would add
+   (one sum of 3 values), the margin grows, else the certificate takes the failing ones. It
+   grows by a pull on the experts short of rows where rows travel (W > 1) and that adds rows,
+   but at most an eighth of what every band 4x would (`PULL_SHARE`), else by every band 4x: a
+   pull takes the tokens whose K-th choice under the prices is ahead of a short expert by less
+   than 4x that expert's band (4x the larger of its band and its last pull when it grows again,
+   up to 4), and the rows it adds carry that expert. A wider margin sends only the tokens it
+   adds (the prices, and so a token's row, stay), one gather each;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails

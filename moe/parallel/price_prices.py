@@ -146,8 +146,8 @@ def pair_rounds_pay(num_experts: int, spared_bytes: float, round_bytes: float = 
 
 
 def local_start_pays(world: int, num_experts: int, updates: int, spared_bytes: float, round_bytes: float = 0.0) -> bool:
-    """Whether trying the local start after stalled or capped warm updates (where the pair
-    rounds do not pay) costs less than the margin bytes at stake (``spared_bytes``): its
+    """Whether trying the local start after stalled or capped warm updates (before any pair
+    rounds) costs less than the margin bytes at stake (``spared_bytes``): its
     gather of W x E float32 and up to ``updates`` more updates of E x (`BINS` + 2) int32, with
     their 1 + ``updates`` collectives at ``round_bytes`` each; bytes and rounds only, not the
     ranks' own solves (as `pair_rounds_pay`, a collective's buffer counted once). The solver
@@ -240,7 +240,7 @@ def pair_prices(
     at ``p`` (the first round's loads), the rounds run again from ``p`` with half the first
     window, at most `PAIR_TRIES` times in all. Returns (the prices (E,) float64, the
     collectives, the last move: what the prices are known to within, roughly; whether the
-    loads' miss fell: if not, ``p`` itself and its miss as it was)."""
+    loads' miss did not grow: if it grew on every try, ``p`` itself and a last move of 0)."""
     window, used = PAIR_WINDOW, 0
     for _ in range(PAIR_TRIES):
         q, step, before = _pair_rounds(s_parts, caps, k, red, p_E, window)

@@ -338,9 +338,25 @@ def test_pair_rounds_that_raise_the_miss_run_again_narrower_or_leave_the_prices(
             got[0] += 0.5  # expert 0 far dearer: its tokens leave, the miss grows
         return got
 
+    real_rounds, starts, returned = price_prices._pair_rounds, [], []
+
+    def rounds(s_parts, caps, k_, red, p, window):
+        starts.append(p.clone())
+        return real_rounds(s_parts, caps, k_, red, p, window)
+
+    real_pairs = price_base.pair_prices
+
+    def pairs(*a):
+        returned.append(real_pairs(*a))
+        return returned[-1]
+
     def solve(bad):
-        windows.clear()
-        with mock.patch.object(price_prices, "model_move", lambda *a: move(*a, bad=bad)):
+        windows.clear(), starts.clear(), returned.clear()
+        with (
+            mock.patch.object(price_prices, "model_move", lambda *a: move(*a, bad=bad)),
+            mock.patch.object(price_prices, "_pair_rounds", rounds),
+            mock.patch.object(price_base, "pair_prices", pairs),
+        ):
             return price_balanced_assignment(
                 split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1, local_start=False
             )
@@ -359,7 +375,9 @@ def test_pair_rounds_that_raise_the_miss_run_again_narrower_or_leave_the_prices(
     kept, _, kept_stats = solve(bad=tuple(first / 2**i for i in range(tries)))
     assert len(windows) == tries * price_prices.PAIR_ROUNDS
     assert kept_stats.price_updates == 1 + tries * (price_prices.PAIR_ROUNDS + 2)
-    assert kept_stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)  # the prices as they were: a stalled call's
+    assert len(starts) == tries and all(torch.equal(p, starts[0]) for p in starts)  # every try from the same prices
+    assert torch.equal(returned[0][0], starts[0]) and not returned[0][3]  # none helped: those prices, unconverged
+    assert kept_stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)  # the margin of a stalled call
     for got in (out, again, kept):
         assert torch.equal(same_order(torch.cat(got)), ref)
 

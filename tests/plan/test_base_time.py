@@ -159,7 +159,7 @@ def test_a_round_priced_in_bytes_keeps_the_pair_rounds_off_a_small_group():
     """llama2-moe-1.2t (ep = 8), a trained router's stalled updates (7 of them, the margin at
     2.6% after the pair rounds): weighed by bytes alone the pair rounds run (their counts cost
     less than the margin's eighth) and global BASE costs over 3% of the step. With the router
-    config's ``base_round_bytes`` at 50 us x 25 GB/s, the solver's own rule finds their four
+    config's ``base_round_bytes`` at 50 us x 25 GB/s, the solver's own rule finds their five
     rounds dearer than the bytes they spare: they do not run, and the share falls under 3%."""
     name, gpu, lay, seqs = LARGE
     shares = {}
