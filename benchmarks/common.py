@@ -4,6 +4,7 @@ docs/benchmarks.md."""
 from __future__ import annotations
 
 import platform
+import re
 import statistics
 import sys
 import time
@@ -84,3 +85,8 @@ def run_meta(module: str, argv: list[str] | None, device: torch.device | None = 
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def status_kib(field: str) -> int:
+    """A field of this process's ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``); Linux only."""
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.common import status_kib
 from benchmarks.global_base import by_config, grid, parse_score_args, score_args, score_source, solve_steps
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
@@ -68,9 +69,8 @@ def peak_mb() -> float | None:
     """This process's peak resident memory in MB (``VmHWM``), or None off Linux. Not
     ``ru_maxrss``: a spawned process starts with its parent's peak there (vfork, then exec)."""
     try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
+        return status_kib("VmHWM") / 1024
+    except OSError:
         return None
 
 

@@ -19,7 +19,6 @@ import dataclasses
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import run_meta, timed_turns, write_section
+from benchmarks.common import run_meta, status_kib, timed_turns, write_section
 from moe import MoE, MoEConfig
 
 DENSE = "dense SwiGLU (same FLOPs)"
@@ -164,14 +163,10 @@ def _memory_here(name: str, shape: tuple, dtype) -> tuple[float, float]:
     case.clear_grads()
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident set restarts from here
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     case.step(x), case.step(x)
     gc.collect()
-    return (_status_kib("VmHWM") - base) / 1024, (_status_kib("VmRSS") - base) / 1024
-
-
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+    return (status_kib("VmHWM") - base) / 1024, (status_kib("VmRSS") - base) / 1024
 
 
 def memory_measurable(device: torch.device) -> bool:

@@ -60,6 +60,7 @@ from torch import Tensor
 
 from ..routing.balanced import _fill
 from ..routing.exchange import _Graph, held_mask, violations
+from .price_prices import pick
 from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
 
 __all__ = ["GAP_BINS", "LAST_CHECK", "solve_margin"]
@@ -79,12 +80,6 @@ def solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, wi
     where the cycle budget ran out first)."""
     margin = _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows)
     return _certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats)
-
-
-def _pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Each token's K best experts under the prices (T, K) and its margin over the next (T,)."""
-    vals, idx = torch.topk(s_ET - p_E1, k + 1, dim=0)
-    return idx[:k].T.contiguous(), vals[k - 1] - vals[k]
 
 
 @dataclass
@@ -109,7 +104,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
     dtype = s_parts[0].dtype
     world = red.world
     p1 = p.to(dtype)[:, None]
-    picks = [_pick(s, p1, k) for s in s_parts]
+    picks = [pick(s, p1, k) for s in s_parts]
     cols = min(num_experts, k + SENT)
     lay = RowLayout.of(sum(sizes), num_experts, k, dtype)
     band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held

@@ -246,7 +246,7 @@ def pair_prices(
         q, step, before = _pair_rounds(s_parts, caps, k, red, p_E, window)
         p1 = q.to(s_parts[0].dtype)[:, None]
         loads = red.sum(
-            [torch.bincount(pick_slots(s, p1, k).flatten(), minlength=s.shape[0]).to(torch.int32) for s in s_parts]
+            [torch.bincount(pick(s, p1, k)[0].flatten(), minlength=s.shape[0]).to(torch.int32) for s in s_parts]
         )
         used += PAIR_ROUNDS + 2
         if int((loads.cpu() - capacities(caps, q).cpu()).abs().sum()) <= before:
@@ -255,9 +255,10 @@ def pair_prices(
     return p_E.to(torch.float64), used, 0.0, False
 
 
-def pick_slots(s_ET: Tensor, p_E1: Tensor, k: int) -> Tensor:
-    """(T, K): each token's K best experts under the prices."""
-    return torch.topk(s_ET - p_E1, k, dim=0).indices.T
+def pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each token's K best experts under the prices (T, K) and its margin over the next (T,)."""
+    vals, idx = torch.topk(s_ET - p_E1, k + 1, dim=0)
+    return idx[:k].T.contiguous(), vals[k - 1] - vals[k]
 
 
 def _pair_rounds(s_parts, caps, k, red, p_E, window) -> tuple[Tensor, float, int]:
