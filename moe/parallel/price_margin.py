@@ -29,7 +29,9 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    fail. While more fixed tokens would fail against those prices than every band 4x would add
    (one sum of 3 values), the margin grows, else the certificate takes the failing ones. It
    grows by a pull on the experts short of rows where rows travel (W > 1) and that adds rows,
-   but at most an eighth of what every band 4x would (`PULL_SHARE`), else by every band 4x: a
+   but at most an eighth of what every band 4x would (`PULL_SHARE`), else by every band 2x
+   (`GROW`; the test against 4x stands for the steps it may take; on one rank, where the band
+   costs no bytes, 4x): a
    pull takes the tokens whose K-th choice under the prices is ahead of a short expert by less
    than 4x that expert's band (4x the larger of its band and its last pull when it grows again,
    up to 4), and the rows it adds carry that expert. A wider margin sends only the tokens it
@@ -69,6 +71,9 @@ BAND = 1.0  # the first margin band, in units of the last price move
 MIN_BAND = 1e-6
 LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 PULL_SHARE = 8  # a pull, not every band 4x, where it adds at most 1 / PULL_SHARE of what they would
+# every band's growth where the rows cannot fill an expert: the last step overshoots the band
+# needed by up to this factor, and its rows cost bytes (docs/benchmarks.md, "Finer steps")
+GROW = 2
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
 
@@ -180,7 +185,8 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         short = None if last else _unsent_columns(s_res, torch.from_numpy(graph.out))
         if short is None or short.numel() == 0:
             return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
-        # the tokens nearest to taking the experts short of rows, or every band 4x
+        # the tokens nearest to taking the experts short of rows, or every band GROW x (weighed
+        # against every band 4x: what growing may take in all)
         pulled = pull.clone()
         pulled[short] = torch.maximum(pull[short], band[short]) * 4
         q = torch.from_numpy(cancelled[2]).to(dtype)
@@ -192,7 +198,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         if world > 1 and 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all()):
             pull = pulled
         else:
-            band = band * 4
+            band = band * (GROW if world > 1 else 4)
 
 
 def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
