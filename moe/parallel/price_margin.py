@@ -71,8 +71,9 @@ BAND = 1.0  # the first margin band, in units of the last price move
 MIN_BAND = 1e-6
 LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 PULL_SHARE = 8  # a pull, not every band 4x, where it adds at most 1 / PULL_SHARE of what they would
-# every band's growth where the rows cannot fill an expert: the last step overshoots the band
-# needed by up to this factor, and its rows cost bytes (docs/benchmarks.md, "Finer steps")
+STEP = 4  # a band's growth: where fixed tokens overfill, where the fill fails, and as weighed
+# every band's growth where rows travel and cannot fill an expert: the last step overshoots the
+# band needed by up to this factor, and its rows cost bytes (docs/benchmarks.md, "Finer steps")
 GROW = 2
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 
@@ -145,7 +146,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
             band.clamp_(min=float(edges[min(int((below < min_rows).sum()), GAP_BINS - 1)]))  # far prices: past 4
             continue
         if not bool((room >= 0).all()):  # the fixed tokens overfill these experts: their bands grow
-            band[room < 0] *= 4
+            band[room < 0] *= STEP
             continue
         new_sizes = [m - h for m, h in zip(m_sizes, had_sizes, strict=True)]  # the bands only grow
         if sum(new_sizes):
@@ -168,7 +169,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         except RuntimeError as err:  # no completion with these fixed tokens: a wider band
             if last:  # impossible
                 raise AssertionError("price_balanced_assignment: the whole problem could not be filled") from err
-            band *= 4
+            band *= STEP
             continue
         # the cycles on the gathered rows alone (no collective); the certificate's first round
         # reuses them. Where a row still holds a column it did not carry, the rows cannot fill
@@ -193,12 +194,15 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         fails, pull_adds, band_adds = _widen_counts(s_parts, p1, picks, near, band, pull, pulled, q, red, delta)
         if fails <= band_adds:  # the certificate takes them (as it would beside a pull that grows on)
             return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
-        # a pull only where rows travel: on one rank (a local start's solve) the band costs no
-        # bytes, and the prices of the wider margin make the start the group's calls measured
-        if world > 1 and 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all()):
+        # a pull and finer steps only where rows travel: on one rank (a local start's solve)
+        # the band costs no bytes, and the prices of the wider margin make the start the
+        # group's calls measured
+        if world == 1:
+            band = band * STEP
+        elif 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all()):
             pull = pulled
         else:
-            band = band * (GROW if world > 1 else 4)
+            band = band * GROW
 
 
 def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
@@ -332,7 +336,7 @@ def _widen_counts(s_parts, p_E1, picks, near, band, pull, pulled, q_E: Tensor, r
         fails = violations(s.index_select(1, local), q_E.to(s.device), out.index_select(0, local), delta).numel()
         n = int(nr.sum())
         by_pull = int(_near(s, p_E1, out, m, band, pulled)[0].sum()) - n
-        by_band = int(_near(s, p_E1, out, m, band * 4, pull)[0].sum()) - n
+        by_band = int(_near(s, p_E1, out, m, band * STEP, pull)[0].sum()) - n
         counts.append(torch.tensor([fails, by_pull, by_band], dtype=torch.int64, device=s.device))
     return red.sum(counts).tolist()
 
