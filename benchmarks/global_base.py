@@ -86,8 +86,9 @@ def run_steps(run_dir: str, world: int, tokens: int, replay: list[int] | None, b
     """The scores every BASE layer of a `moe train` run routes, replayed from its checkpoints:
     per checkpoint (those at the steps in ``replay``, or all), its model's router inputs on
     ``batches`` consecutive batches of the run's data from that step on (W * T tokens each, in
-    sequences of the run's length; the run's own batches hold fewer). Yields (data step,
-    ``run@<checkpoint step>``, layers)."""
+    sequences of the run's length, the last one cut short where W * T is not a multiple of it;
+    the run's own batches hold fewer). Yields (data step, ``run@<checkpoint step>``, layers):
+    `ReplayedLayers`, made one layer at a time as they are read."""
     from pathlib import Path
 
     from moe.models.llama import Llama
@@ -112,14 +113,83 @@ def run_steps(run_dir: str, world: int, tokens: int, replay: list[int] | None, b
         model.init_weights()
         load_model_weights(found[step], model)
         model.train()  # the router solves BASE only in training mode; no gradients are taken
-        seen = _record_assign(model)
         for b in range(batches):
-            seen.clear()
             inputs, _ = corpus.batch(step + b, cfg.seed, seqs, cfg.seq_len)
-            with torch.no_grad():
-                model(inputs)
-            yield step + b, f"run@{step}", [s.flatten(0, -2)[: world * tokens] for s in seen]
-        del model, seen
+            yield step + b, f"run@{step}", ReplayedLayers(model, inputs, world * tokens)
+        del model
+
+
+class _Routed(Exception):
+    """Raised by a recording router once it has its scores: the rest of the block is not needed."""
+
+
+class ReplayedLayers:
+    """The router scores (N, E) of every BASE layer of ``model`` on the first ``n`` tokens of
+    ``inputs`` (B, S), in layer order, each made when it is read: the forward runs one block at
+    a time over chunks of ``chunk`` sequences (the blocks are causal and per-sequence, so the
+    chunks give the whole batch's values), and only the routing sees all N tokens at once.
+    Each BASE layer routes by the assignment given to `use` before the next layer is read, or,
+    where none is given, by its own single-process solve, as the model would. One batch's
+    hidden states (N, D) and one layer's scores are held at a time, never every layer's."""
+
+    def __init__(self, model, inputs: torch.Tensor, n: int, chunk: int = 64) -> None:
+        if not 0 < n <= inputs.numel():
+            raise ValueError(f"n must be in [1, {inputs.numel()}] (the tokens of inputs), got {n}")
+        self.model, self.chunk, self.chosen = model, chunk, None
+        full, rest = divmod(n, inputs.shape[1])
+        self.inputs = list(inputs[:full].split(chunk)) + ([inputs[full : full + 1, :rest]] if rest else [])
+
+    def use(self, assignment: torch.Tensor) -> None:
+        """The assignment (N, K) the layer last read routes by."""
+        self.chosen = assignment
+
+    @torch.no_grad()
+    def __iter__(self):
+        model = self.model
+        h = [model.tok_embeddings(x) for x in self.inputs]
+        for block in model.layers.values():
+            router = getattr(block.feed_forward, "router", None) if block.is_moe else None
+            if router is None or not hasattr(router, "assign"):
+                h = [block(x, model.rope) for x in h]
+                continue
+            solve, sizes = router.assign, [x.shape[0] * x.shape[1] for x in h]
+            scores, k, options = self._scores(block, router, h)
+            self.chosen = None
+            yield scores
+            chosen = self.chosen if self.chosen is not None else solve(scores, k, **options)
+            self.chosen = None
+            del scores
+            if tuple(chosen.shape) != (sum(sizes), k):
+                raise ValueError(f"use: the assignment must be (N, K) = ({sum(sizes)}, {k}), got {tuple(chosen.shape)}")
+            rows = iter(chosen.split(sizes))
+            router.assign = lambda s, k, _rows=rows, **_: next(_rows)
+            try:
+                h = [block(x, model.rope) for x in h]
+            finally:
+                router.assign = solve
+
+    def _scores(self, block, router, h):
+        """The router's scores of every chunk of ``h``, in one (N, E) tensor, and its K and options."""
+        n = sum(x.shape[0] * x.shape[1] for x in h)
+        out = torch.empty(n, router.config.num_experts)
+        at, seen = 0, {}
+
+        def record(s, k, **options):
+            out[at : at + s.shape[0]] = s
+            seen.update(k=k, options=options)
+            raise _Routed
+
+        solve, router.assign = router.assign, record
+        try:
+            for x in h:
+                try:
+                    block(x, self.model.rope)
+                except _Routed:
+                    pass
+                at += x.shape[0] * x.shape[1]
+        finally:
+            router.assign = solve
+        return out, seen["k"], seen["options"]
 
 
 def run_model_config(run_dir: str):
@@ -197,12 +267,13 @@ def run(
         t0 = time.perf_counter()
         out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
         seconds = time.perf_counter() - t0
-        objective = verify(x, torch.cat(out), p, k, check_max_gb) if check else None
+        out = torch.cat(out)
+        objective = verify(x, out, p, k, check_max_gb) if check else None
         return p, dict(
             W=world, T=tokens, E=x.shape[1], K=k, rounds=st.rounds, updates=st.price_updates, checks=st.checks,
             bytes=st.bytes, margin_rows=st.margin_rows, gathered_bytes=world * tokens * x.shape[1] * 4,
             seconds=seconds, parts=bytes_by_part(st.log, world, x.shape[1]), objective=objective,
-        )  # fmt: skip
+        ), out  # fmt: skip
 
     rows = []
     for row in solve_steps(source, scores == "run", solve):
@@ -227,8 +298,10 @@ def solve_steps(source, replayed: bool, solve):
     """Every solve of ``source``'s scores in order, its rows (the figures ``solve`` returns, with
     the step, label, layer and start): per layer, cold (no previous prices) and, from the second
     step on, warm (the previous step's prices, per layer; a replay's checkpoints start afresh,
-    with no previous step). ``solve(x, prices)`` returns (the prices, its figures); the rows
-    keep no reference to ``x``, so each step's scores go before the next step's are made."""
+    with no previous step). ``solve(x, prices)`` returns (the prices, its figures, its assignment
+    (N, K) or None); where ``layers`` has a ``use`` (`ReplayedLayers`), the last solve's
+    assignment routes the layer before the next layer's scores are made. The rows keep no
+    reference to ``x``, so each step's scores go before the next step's are made."""
     prices: dict[int, torch.Tensor | None] = {}
     last: int | None = None
     for step, label, layers in source:
@@ -237,11 +310,13 @@ def solve_steps(source, replayed: bool, solve):
             for mode in ("cold", "warm"):
                 if mode == "warm" and first:
                     continue
-                p, row = solve(x, None if mode == "cold" else prices.get(layer))
+                p, row, out = solve(x, None if mode == "cold" else prices.get(layer))
                 if mode == "warm" or first:
                     prices[layer] = p
                 yield dict(scores=label, mode=mode, step=step, layer=layer) | row
-            del x
+            if out is not None and hasattr(layers, "use"):
+                layers.use(out)
+            del x, out
         last = step
         del layers
 

@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, folder: str, problems, tokens: int, k: int, rep
         out, p, st = price_balanced_assignment([x], k, red, prices=start)
         own = time.thread_time() - t0  # within the process's window
         cpu = time.process_time() - c0
-        return p, dict(cpu=cpu, own=own, peak_mb=peak_mb(), rounds=st.rounds, out=out[0])
+        return p, dict(cpu=cpu, own=own, peak_mb=peak_mb(), rounds=st.rounds, out=out[0]), None
 
     solve(_first(problems, rank, tokens), None)  # untimed: the first call's one-off costs
     rows = list(solve_steps(_shards(problems, rank, tokens), replayed, solve))
@@ -116,7 +116,11 @@ def run(
                 t0 = time.perf_counter()
                 out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
                 seconds = time.perf_counter() - t0
-                return p, dict(E=x.shape[1], group_s=seconds, rounds=st.rounds, margin_rows=st.margin_rows, out=out)
+                return (
+                    p,
+                    dict(E=x.shape[1], group_s=seconds, rounds=st.rounds, margin_rows=st.margin_rows, out=out),
+                    None,
+                )
 
             simulated(_first(problems, None, tokens), None)  # untimed, as on the ranks
             sim = list(solve_steps(_shards(problems, None, tokens), scores == "run", simulated))

@@ -1,5 +1,6 @@
 """The benchmark scripts run and report what they claim, at tiny sizes (no timings asserted)."""
 
+import functools
 from unittest import mock
 
 import pytest
@@ -258,9 +259,12 @@ def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path,
     run_dir = tmp_path / "run"
     moe("train", *TINY, "--data", corpus(tmp_path), "--router", "base", "--experts", 8, "--top-k", 1, "--steps", 4,
         "--checkpoint-every", 1, "--keep", 8, "--out", run_dir)  # fmt: skip
-    seen = []
-    rows = global_base.run(2, 64, 0, 0, "run", 2, True, run_dir=str(run_dir), replay=[1, 4], on_solve=seen.append)
+    seen, used = [], []
+    use = global_base.ReplayedLayers.use
+    with mock.patch.object(global_base.ReplayedLayers, "use", lambda self, a: used.append(a) or use(self, a)):
+        rows = global_base.run(2, 64, 0, 0, "run", 2, True, run_dir=str(run_dir), replay=[1, 4], on_solve=seen.append)
     assert seen == rows  # each solve reported as it ends
+    assert [tuple(a.shape) for a in used] == [(128, 1)] * 8  # each layer of each batch routed by its last solve
     solves = [(r["scores"], r["step"], r["mode"]) for r in rows if r["layer"] == 0]
     assert solves == [("run@1", 1, "cold"), ("run@1", 2, "cold"), ("run@1", 2, "warm"),
                       ("run@4", 4, "cold"), ("run@4", 5, "cold"), ("run@4", 5, "warm")]  # fmt: skip
@@ -272,6 +276,65 @@ def test_global_base_benchmark_replays_the_chosen_checkpoints_of_a_run(tmp_path,
         global_base.main(["--run", str(run_dir), "--replay-steps", "7", "--W", "2", "--T", "64"])
     with pytest.raises(SystemExit):
         global_base.main(["--replay-steps", "1"])
+
+
+def test_global_base_replay_makes_each_layer_from_the_assignment_it_is_given(tmp_path):
+    """The replay's layer-by-layer forward over chunks of sequences gives the whole batch's
+    forward's scores (bit for bit in one chunk; over several, to the rounding of the experts'
+    GEMMs on other row counts); each layer routes by the assignment given to ``use`` (a
+    different one changes the next layer's scores as the whole forward's would), or else by its
+    own solve; a cut-short last sequence gives the prefix of the whole one's scores."""
+    from benchmarks import global_base
+
+    from .train.run import TINY, corpus, moe
+
+    run_dir = tmp_path / "run"
+    moe("train", *TINY, "--data", corpus(tmp_path), "--router", "base", "--experts", 8, "--top-k", 1, "--steps", 2,
+        "--checkpoint-every", 2, "--out", run_dir)  # fmt: skip
+    ((_, _, layers),) = global_base.run_steps(str(run_dir), 2, 64, [2], 1)
+    model, inputs = layers.model, torch.cat(layers.inputs)
+    routers = [b.feed_forward.router for b in model.layers.values() if b.is_moe]
+    assert inputs.shape == (4, 32) and len(routers) == 2
+
+    def whole(first=None):
+        """The whole batch's forward: every BASE layer's scores, layer 0 routed by ``first``."""
+        seen, solves = [], [r.assign for r in routers]
+
+        def record(s, k, _first, _solve, **options):
+            seen.append(s.clone())
+            return _first if _first is not None else _solve(s, k, **options)
+
+        for i, (router, solve) in enumerate(zip(routers, solves, strict=True)):
+            router.assign = functools.partial(record, _first=first if i == 0 else None, _solve=solve)
+        try:
+            with torch.no_grad():
+                model(inputs)
+        finally:
+            for router, solve in zip(routers, solves, strict=True):
+                router.assign = solve
+        return seen
+
+    own = whole()
+    assert all(torch.equal(a, b) for a, b in zip(layers, own, strict=True))  # chunks of 64 sequences: one
+    close = functools.partial(torch.allclose, rtol=0, atol=1e-6)
+    by_one = list(global_base.ReplayedLayers(model, inputs, 128, chunk=1))  # four chunks
+    assert torch.equal(by_one[0], own[0]) and close(by_one[1], own[1])
+    other = (own[0].argmax(1, keepdim=True) + 1) % 8  # not the solve's: every token one expert on
+    given = whole(other)
+    assert torch.equal(given[0], own[0]) and not close(given[1], own[1], atol=1e-4)
+    replayed = []
+    for x in (it := global_base.ReplayedLayers(model, inputs, 128, chunk=3)):
+        replayed.append(x)
+        it.use(other)
+    assert close(replayed[1], given[1])
+    short = list(global_base.ReplayedLayers(model, inputs, 100, chunk=2))  # 3 sequences and 4 tokens
+    assert close(short[0], own[0][:100]) and short[1].shape == (100, 8)  # causal: layer 0 a prefix
+    with pytest.raises(ValueError, match="must be \\(N, K\\) = \\(128, 1\\), got \\(127, 1\\)"):
+        for _ in (it := global_base.ReplayedLayers(model, inputs, 128)):
+            it.use(other[:127])
+    with pytest.raises(ValueError, match="n must be in \\[1, 128\\]"):
+        global_base.ReplayedLayers(model, inputs, 129)
+    assert all(r.assign.__name__ == "balanced_assignment" for r in routers)  # its own solver again after each
 
 
 def test_global_base_ranks_time_each_rank_over_gloo_on_the_simulated_solves():
