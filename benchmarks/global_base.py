@@ -143,17 +143,19 @@ class ReplayedLayers:
         """The assignment (N, K) the layer last read routes by."""
         self.chosen = assignment
 
-    @torch.no_grad()
     def __iter__(self):
         model = self.model
-        h = [model.tok_embeddings(x) for x in self.inputs]
+        with torch.no_grad():  # not around the yields: the reader's code keeps its own grad mode
+            h = [model.tok_embeddings(x) for x in self.inputs]
         for block in model.layers.values():
             router = getattr(block.feed_forward, "router", None) if block.is_moe else None
             if router is None or not hasattr(router, "assign"):
-                h = [block(x, model.rope) for x in h]
+                with torch.no_grad():
+                    h = [block(x, model.rope) for x in h]
                 continue
             solve, sizes = router.assign, [x.shape[0] * x.shape[1] for x in h]
-            scores, k, options = self._scores(block, router, h)
+            with torch.no_grad():
+                scores, k, options = self._scores(block, router, h)
             self.chosen = None
             yield scores
             chosen = self.chosen if self.chosen is not None else solve(scores, k, **options)
@@ -164,7 +166,8 @@ class ReplayedLayers:
             rows = iter(chosen.split(sizes))
             router.assign = lambda s, k, _rows=rows, **_: next(_rows)
             try:
-                h = [block(x, model.rope) for x in h]
+                with torch.no_grad():
+                    h = [block(x, model.rope) for x in h]
             finally:
                 router.assign = solve
 
