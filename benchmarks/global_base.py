@@ -145,11 +145,15 @@ class ReplayedLayers:
 
     def __iter__(self):
         model = self.model
+        routers = [getattr(b.feed_forward, "router", None) if b.is_moe else None for b in model.layers.values()]
+        routers = [r if hasattr(r, "assign") else None for r in routers]  # BASE layers'
+        if all(r is None for r in routers):
+            return
+        last = max(i for i, r in enumerate(routers) if r is not None)  # no blocks after it are run
         with torch.no_grad():  # not around the yields: the reader's code keeps its own grad mode
             h = [model.tok_embeddings(x) for x in self.inputs]
-        for block in model.layers.values():
-            router = getattr(block.feed_forward, "router", None) if block.is_moe else None
-            if router is None or not hasattr(router, "assign"):
+        for i, (block, router) in enumerate(zip(model.layers.values(), routers, strict=True)):
+            if router is None:
                 with torch.no_grad():
                     h = [block(x, model.rope) for x in h]
                 continue
@@ -158,6 +162,8 @@ class ReplayedLayers:
                 scores, k, options = self._scores(block, router, h)
             self.chosen = None
             yield scores
+            if i == last:
+                return
             chosen = self.chosen if self.chosen is not None else solve(scores, k, **options)
             self.chosen = None
             del scores
