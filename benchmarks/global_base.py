@@ -262,13 +262,15 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
 def run(
     world: int, tokens: int, experts: int, k: int, scores: str, steps: int, check: bool, *,
     check_max_gb: float = 4.0, run_dir: str | None = None, replay: list[int] | None = None, on_solve=None,
+    cold: str = "every",
 ) -> list[dict]:  # fmt: skip
     """Every solve's figures. With ``check``, each objective is compared with the stacked
     single-process solve's where the stacked scores take at most ``check_max_gb`` (that solve
     holds several copies of them), and certified by its prices' bound beyond (`verify`).
     ``scores="run"`` replays the checkpoints of the `moe train` run in ``run_dir``
     (``replay``: their steps, or all; ``steps`` batches each), whose model sets E and K.
-    ``on_solve``, where given, is called with each solve's figures as it ends."""
+    ``on_solve``, where given, is called with each solve's figures as it ends. ``cold``:
+    ``"every"`` step solved cold too, or only the ``"first"`` (`solve_steps`)."""
     k, source = score_source(world, tokens, experts, k, scores, steps, run_dir, replay)
 
     def solve(x, start):
@@ -285,7 +287,7 @@ def run(
         ), out  # fmt: skip
 
     rows = []
-    for row in solve_steps(source, scores == "run", solve):
+    for row in solve_steps(source, scores == "run", solve, cold):
         rows.append(row)
         if on_solve is not None:
             on_solve(row)
@@ -303,21 +305,24 @@ def score_source(world: int, tokens: int, experts: int, k: int, scores: str, ste
     return run_model_config(run_dir).moe.top_k, run_steps(run_dir, world, tokens, replay, steps)
 
 
-def solve_steps(source, replayed: bool, solve):
+def solve_steps(source, replayed: bool, solve, cold: str = "every"):
     """Every solve of ``source``'s scores in order, its rows (the figures ``solve`` returns, with
     the step, label, layer and start): per layer, cold (no previous prices) and, from the second
     step on, warm (the previous step's prices, per layer; a replay's checkpoints start afresh,
-    with no previous step). ``solve(x, prices)`` returns (the prices, its figures, its assignment
+    with no previous step); with ``cold="first"`` the later steps are solved warm only.
+    ``solve(x, prices)`` returns (the prices, its figures, its assignment
     (N, K) or None); where ``layers`` has a ``use`` (`ReplayedLayers`), the last solve's
     assignment routes the layer before the next layer's scores are made. The rows keep no
     reference to ``x``, so each step's scores go before the next step's are made."""
+    if cold not in ("every", "first"):
+        raise ValueError(f"cold must be 'every' or 'first', got {cold!r}")
     prices: dict[int, torch.Tensor | None] = {}
     last: int | None = None
     for step, label, layers in source:
         for layer, x in enumerate(layers):
             first = last is None or (replayed and step != last + 1)  # no previous step to start from
             for mode in ("cold", "warm"):
-                if mode == "warm" and first:
+                if (mode == "warm" and first) or (mode == "cold" and cold == "first" and not first):
                     continue
                 p, row, out = solve(x, None if mode == "cold" else prices.get(layer))
                 if mode == "warm" or first:
@@ -454,11 +459,14 @@ def main(argv=None) -> None:
                     help="compare with the stacked solve only where its scores take at most this many GB "
                     "(that solve holds several copies); beyond, certify by the prices' bound")  # fmt: skip
     ap.add_argument("--json", help="write every solve's figures here")
+    ap.add_argument("--cold", choices=("every", "first"), default="every",
+                    help="solve every step cold as well as warm, or only the first (of each checkpoint with "
+                    "--run): the cold calls of a large group take the longest")  # fmt: skip
     args, scores = parse_score_args(ap, argv)
 
     def one(world, tokens, experts, k):
         return run(world, tokens, experts, k, scores, args.steps, args.check, check_max_gb=args.check_max_gb,
-                   run_dir=args.run, replay=args.replay_steps, on_solve=progress)  # fmt: skip
+                   run_dir=args.run, replay=args.replay_steps, on_solve=progress, cold=args.cold)  # fmt: skip
 
     grid(args, one, lambda rows: markdown(summary(rows)))
 

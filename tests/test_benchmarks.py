@@ -204,6 +204,10 @@ def test_global_base_benchmark_rows_on_random_and_training_scores():
         assert 0 <= r["margin_rows"] <= r["W"] * r["T"]
         assert sum(r["parts"].values()) == r["bytes"] and r["parts"]["prices"] <= r["bytes"]
     assert "| 3 | 40 | 8 | 2 | random | warm |" in markdown(summary(rows))
+    rows = run(2, 32, 8, 1, "random", 3, check=False, cold="first")  # later steps warm only
+    assert [(r["step"], r["mode"]) for r in rows] == [(0, "cold"), (1, "warm"), (2, "warm")]
+    with pytest.raises(ValueError, match="cold must be 'every' or 'first', got 'all'"):
+        run(2, 32, 8, 1, "random", 2, check=False, cold="all")
 
 
 def test_global_base_bytes_by_part_follow_the_solve_phases():
