@@ -12,9 +12,11 @@ Scores: ``random`` (Gaussian with a fixed per-expert offset, a fresh draw per st
 ``--steps`` steps on W * T tokens per step; every layer's scores of every step are replayed).
 ``--run DIR`` replays a `moe train` run instead: the scores every BASE layer of the model at
 each checkpoint (``--replay-steps``: which) routes on ``--steps`` consecutive batches of the
-run's data from that step on, W * T tokens each (its E and K are the run's).
+run's data from that step on, W * T tokens each (its E and K are the run's), one layer at a
+time, each layer routed by the simulated group's assignment (`ReplayedLayers`).
 Cold: every step without previous prices (from the ranks' local start, `price_base`);
-warm: each step from the previous step's prices (per layer).
+warm: each step from the previous step's prices (per layer). ``--cold first`` solves only
+the first step (of each checkpoint) cold.
 
 With ``--check`` each objective is compared with the stacked single-process solve's, up to
 ``--check-max-gb`` of stacked scores (``equal``). Beyond, where that solve's copies would not
@@ -26,6 +28,7 @@ solve's total lies within the same tolerance of it. The gathered path's bytes ar
     python -m benchmarks.global_base --W 8 64 256 --T 4096 --E 64 256 --K 1 --scores random
     python -m benchmarks.global_base --W 8 --T 4096 --E 64 --K 1 --scores training --steps 8
     python -m benchmarks.global_base --W 8 --T 4096 --run runs/base64 --replay-steps 25 400 --steps 2
+    python -m benchmarks.global_base --W 1024 --T 8192 --run runs/base64 --replay-steps 400 --steps 2 --cold first
 """
 
 from __future__ import annotations
@@ -127,7 +130,9 @@ class ReplayedLayers:
     """The router scores (N, E) of every BASE layer of ``model`` on the first ``n`` tokens of
     ``inputs`` (B, S), in layer order, each made when it is read: the forward runs one block at
     a time over chunks of ``chunk`` sequences (the blocks are causal and per-sequence, so the
-    chunks give the whole batch's values), and only the routing sees all N tokens at once.
+    chunks give the whole batch's values; another MoE layer also runs per chunk, right for
+    per-token routers such as top-k, not for those that route over the batch), and only the
+    BASE routing sees all N tokens at once.
     Each BASE layer routes by the assignment given to `use` before the next layer is read, or,
     where none is given, by its own single-process solve, as the model would. One batch's
     hidden states (N, D) and one layer's scores are held at a time, never every layer's."""
@@ -135,7 +140,7 @@ class ReplayedLayers:
     def __init__(self, model, inputs: torch.Tensor, n: int, chunk: int = 64) -> None:
         if not 0 < n <= inputs.numel():
             raise ValueError(f"n must be in [1, {inputs.numel()}] (the tokens of inputs), got {n}")
-        self.model, self.chunk, self.chosen = model, chunk, None
+        self.model, self.chosen = model, None
         full, rest = divmod(n, inputs.shape[1])
         self.inputs = list(inputs[:full].split(chunk)) + ([inputs[full : full + 1, :rest]] if rest else [])
 
