@@ -34,6 +34,7 @@ solve's total lies within the same tolerance of it. The gathered path's bytes ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -143,6 +144,7 @@ class ReplayedLayers:
         self.model, self.chosen = model, None
         full, rest = divmod(n, inputs.shape[1])
         self.inputs = list(inputs[:full].split(chunk)) + ([inputs[full : full + 1, :rest]] if rest else [])
+        self.sizes = [x.numel() for x in self.inputs]  # each chunk's tokens
 
     def use(self, assignment: torch.Tensor) -> None:
         """The assignment (N, K) the layer last read routes by."""
@@ -162,48 +164,49 @@ class ReplayedLayers:
                 with torch.no_grad():
                     h = [block(x, model.rope) for x in h]
                 continue
-            solve, sizes = router.assign, [x.shape[0] * x.shape[1] for x in h]
             with torch.no_grad():
                 scores, k, options = self._scores(block, router, h)
             self.chosen = None
             yield scores
             if i == last:
                 return
-            chosen = self.chosen if self.chosen is not None else solve(scores, k, **options)
+            chosen = self.chosen if self.chosen is not None else router.assign(scores, k, **options)
             self.chosen = None
             del scores
-            if tuple(chosen.shape) != (sum(sizes), k):
-                raise ValueError(f"use: the assignment must be (N, K) = ({sum(sizes)}, {k}), got {tuple(chosen.shape)}")
-            rows = iter(chosen.split(sizes))
-            router.assign = lambda s, k, _rows=rows, **_: next(_rows)
-            try:
-                with torch.no_grad():
-                    h = [block(x, model.rope) for x in h]
-            finally:
-                router.assign = solve
+            n = sum(self.sizes)
+            if tuple(chosen.shape) != (n, k):
+                raise ValueError(f"use: the assignment must be (N, K) = ({n}, {k}), got {tuple(chosen.shape)}")
+            rows = iter(chosen.split(self.sizes))
+            with _assigning(router, lambda s, k, _rows=rows, **_: next(_rows)), torch.no_grad():
+                h = [block(x, model.rope) for x in h]
 
     def _scores(self, block, router, h):
         """The router's scores of every chunk of ``h``, in one (N, E) tensor, and its K and options."""
-        n = sum(x.shape[0] * x.shape[1] for x in h)
-        out = torch.empty(n, router.config.num_experts)
-        at, seen = 0, {}
+        out = torch.empty(sum(self.sizes), router.config.num_experts)
+        rows, seen = iter(out.split(self.sizes)), {}
 
         def record(s, k, **options):
-            out[at : at + s.shape[0]] = s
+            next(rows).copy_(s)
             seen.update(k=k, options=options)
             raise _Routed
 
-        solve, router.assign = router.assign, record
-        try:
+        with _assigning(router, record):
             for x in h:
                 try:
                     block(x, self.model.rope)
                 except _Routed:
                     pass
-                at += x.shape[0] * x.shape[1]
-        finally:
-            router.assign = solve
         return out, seen["k"], seen["options"]
+
+
+@contextlib.contextmanager
+def _assigning(router, assign):
+    """``router`` solves by ``assign`` within; its own solver (an attribute of the instance) after."""
+    solve, router.assign = router.assign, assign
+    try:
+        yield
+    finally:
+        router.assign = solve
 
 
 def run_model_config(run_dir: str):
