@@ -3,6 +3,11 @@ against torchtitan's own MoE, same shape and routing (softmax top-k), forward + 
 median of several repeats in one run. Needs the torchtitan extra.
 
     python -m benchmarks.adapters [--tokens 2048 --dim 256 --hidden 512 --experts 8 --top-k 2]
+    python -m benchmarks.adapters --dtype bfloat16   # both layers' weights and input in bf16
+
+torchtitan 0.3's experts cast their input and weights to bf16 before their grouped GEMM
+whatever the layer's dtype, so in float32 its GEMMs are bf16 and ours fp32: ``--dtype
+bfloat16`` is the like-for-like comparison. Prints each median with its min-max.
 
 ``--megatron``: the same for Megatron-core's MLP slot, our MoE (`moe.adapters.megatron`)
 against Megatron's own ``MoELayer`` (needs the megatron extra). Megatron's MoE assumes CUDA in
@@ -68,15 +73,24 @@ def _step(module: nn.Module, x: torch.Tensor) -> float:
     return elapsed
 
 
-def _time(modules: list[nn.Module], x: torch.Tensor, repeats: int) -> list[float]:
-    """Median step time of each module, the modules taking turns (a busy machine slows both)."""
+def _time(modules: list[nn.Module], x: torch.Tensor, repeats: int) -> list[list[float]]:
+    """Each module's step times, the modules taking turns (a busy machine slows both)."""
     for m in modules:  # the first call loads code and fills caches
         _step(m, x)
     times = [[] for _ in modules]
     for _ in range(repeats):
         for m, ts in zip(modules, times, strict=True):
             ts.append(_step(m, x))
-    return [statistics.median(ts) for ts in times]
+    return times
+
+
+def _row(shape: str, names: tuple[str, str], times: list[list[float]], dtype: torch.dtype) -> str:
+    cells = [
+        f"{name} {statistics.median(ts) * 1e3:.1f} ms ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
+        for name, ts in zip(names, times, strict=True)
+    ]
+    ratio = statistics.median(times[0]) / statistics.median(times[1])
+    return f"| {shape} {str(dtype).removeprefix('torch.')} | {cells[0]} | {cells[1]} | ours / theirs {ratio:.2f} |"
 
 
 def _megatron_slots(dim: int, hidden: int, experts: int, top_k: int):
@@ -117,7 +131,7 @@ class _FirstOutput(nn.Module):
         return self.slot(x)[0]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--dim", type=int, default=256)
@@ -126,24 +140,21 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--megatron", action="store_true", help="Megatron-core's MLP slot instead of torchtitan's")
-    a = p.parse_args()
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and input")
+    a = p.parse_args(argv)
+    if a.tokens % 4 or a.tokens <= 0:
+        p.error(f"--tokens must be a positive multiple of 4 (the batch is 4 sequences), got {a.tokens}")
+    dtype = getattr(torch, a.dtype)
     torch.manual_seed(0)
-    if a.megatron:
-        shape = (a.dim, a.hidden, a.experts, a.top_k)
-        x = torch.randn(a.tokens // 4, 4, a.dim)  # Megatron's [s, b, h]
-        ours, theirs = _time(_megatron_slots(*shape), x, a.repeats)
-        print(
-            f"| T={a.tokens} D={a.dim} F={a.hidden} E={a.experts} K={a.top_k} | ours {ours * 1e3:.1f} ms | "
-            f"Megatron MoELayer {theirs * 1e3:.1f} ms | ours / theirs {ours / theirs:.2f} |"
-        )
-        return
-    x = torch.randn(4, a.tokens // 4, a.dim)
     shape = (a.dim, a.hidden, a.experts, a.top_k)
-    ours, theirs = _time([_ours(*shape), _titan_moe(*shape)], x, a.repeats)
-    print(
-        f"| T={a.tokens} D={a.dim} F={a.hidden} E={a.experts} K={a.top_k} | ours {ours * 1e3:.1f} ms | "
-        f"torchtitan MoE {theirs * 1e3:.1f} ms | ours / theirs {ours / theirs:.2f} |"
-    )
+    label = f"T={a.tokens} D={a.dim} F={a.hidden} E={a.experts} K={a.top_k}"
+    if a.megatron:
+        x = torch.randn(a.tokens // 4, 4, a.dim, dtype=dtype)  # Megatron's [s, b, h]
+        modules, names = _megatron_slots(*shape), ("ours", "Megatron MoELayer")
+    else:
+        x = torch.randn(4, a.tokens // 4, a.dim, dtype=dtype)
+        modules, names = [_ours(*shape), _titan_moe(*shape)], ("ours", "torchtitan MoE")
+    print(_row(label, names, _time([m.to(dtype) for m in modules], x, a.repeats), dtype))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,35 @@ def test_layer_grid_point_has_every_contender_and_the_ratios():
     assert float(base_vs_dense) > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adapters_slot_runs_both_layers_in_the_dtype_asked(dtype, capsys, monkeypatch):
+    pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
+    from benchmarks import adapters
+
+    seen, step = [], adapters._step
+
+    def recording(module, x):
+        seen.append((type(module).__name__, x.dtype, {p.dtype for p in module.parameters()}))
+        return step(module, x)
+
+    monkeypatch.setattr(adapters, "_step", recording)
+    argv = ["--tokens", "32", "--dim", "16", "--hidden", "32", "--experts", "4", "--top-k", "2", "--repeats", "3"]
+    adapters.main([*argv, "--dtype", dtype])
+    want = getattr(torch, dtype)
+    assert len(seen) == 2 * (1 + 3)  # one warm-up and three repeats each, taking turns
+    assert [name for name, *_ in seen[:2]] == ["MoEFeedForward", "MoE"]
+    assert all(x == want and params == {want} for _, x, params in seen)
+    cells = [c.strip() for c in capsys.readouterr().out.strip().strip("|").split("|")]
+    assert cells[0] == f"T=32 D=16 F=32 E=4 K=2 {dtype}"
+    for cell, name in zip(cells[1:3], ("ours", "torchtitan MoE"), strict=True):
+        median, spread = cell.removeprefix(name + " ").split(" ms ")
+        lo, hi = (float(v) for v in spread.strip("()").split("-"))
+        assert lo <= float(median) <= hi
+    assert float(cells[3].removeprefix("ours / theirs ")) > 0
+    with pytest.raises(SystemExit):
+        adapters.main([*argv[2:], "--tokens", "30"])  # not 4 sequences of equal length
+
+
 @pytest.mark.parametrize("apart", [False, True], ids=["turns", "apart"])
 def test_timed_turns_order_and_counts(apart):
     from benchmarks.common import timed_turns
