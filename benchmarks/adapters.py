@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.tokens % 4 or a.tokens <= 0:
         p.error(f"--tokens must be a positive multiple of 4 (the batch is 4 sequences), got {a.tokens}")
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(0)
     shape = (a.dim, a.hidden, a.experts, a.top_k)

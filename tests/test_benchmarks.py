@@ -104,11 +104,15 @@ def test_adapters_slot_runs_both_layers_in_the_dtype_asked(dtype, capsys, monkey
     pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
     from benchmarks import adapters
 
-    seen, step = [], adapters._step
+    seen, outputs, step = [], [], adapters._step
 
     def recording(module, x):
         seen.append((type(module).__name__, x.dtype, {p.dtype for p in module.parameters()}))
-        return step(module, x)
+        hook = module.register_forward_hook(lambda _m, _i, out: outputs.append(out.dtype))
+        try:
+            return step(module, x)
+        finally:
+            hook.remove()
 
     monkeypatch.setattr(adapters, "_step", recording)
     argv = ["--tokens", "32", "--dim", "16", "--hidden", "32", "--experts", "4", "--top-k", "2", "--repeats", "3"]
@@ -117,6 +121,7 @@ def test_adapters_slot_runs_both_layers_in_the_dtype_asked(dtype, capsys, monkey
     assert len(seen) == 2 * (1 + 3)  # one warm-up and three repeats each, taking turns
     assert [name for name, *_ in seen[:2]] == ["MoEFeedForward", "MoE"]
     assert all(x == want and params == {want} for _, x, params in seen)
+    assert outputs == [want] * len(seen)  # each layer computes in the dtype, not only stores it
     cells = [c.strip() for c in capsys.readouterr().out.strip().strip("|").split("|")]
     assert cells[0] == f"T=32 D=16 F=32 E=4 K=2 {dtype}"
     for cell, name in zip(cells[1:3], ("ours", "torchtitan MoE"), strict=True):
@@ -124,8 +129,11 @@ def test_adapters_slot_runs_both_layers_in_the_dtype_asked(dtype, capsys, monkey
         lo, hi = (float(v) for v in spread.strip("()").split("-"))
         assert lo <= float(median) <= hi
     assert float(cells[3].removeprefix("ours / theirs ")) > 0
-    with pytest.raises(SystemExit):
-        adapters.main([*argv[2:], "--tokens", "30"])  # not 4 sequences of equal length
+    for bad, why in (("--tokens", "30"), ("--tokens", "0"), ("--repeats", "0")):
+        with pytest.raises(SystemExit) as exc:
+            adapters.main([*argv, bad, why])
+        assert exc.value.code == 2
+        assert (bad + " must be") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["turns", "apart"])
