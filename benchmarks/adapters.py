@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from functools import partial
 
 import torch
 from torch import nn
+
+from benchmarks.common import timed_turns, train_step
 
 
 def _titan_moe(dim: int, hidden: int, experts: int, top_k: int):
@@ -64,24 +65,10 @@ def _ours(dim: int, hidden: int, experts: int, top_k: int):
     return module
 
 
-def _step(module: nn.Module, x: torch.Tensor) -> float:
-    x_ = x.detach().requires_grad_()
-    t = time.perf_counter()
-    module(x_).square().mean().backward()
-    elapsed = time.perf_counter() - t
-    module.zero_grad(set_to_none=True)
-    return elapsed
-
-
 def _time(modules: list[nn.Module], x: torch.Tensor, repeats: int) -> list[list[float]]:
     """Each module's step times, the modules taking turns (a busy machine slows both)."""
-    for m in modules:  # the first call loads code and fills caches
-        _step(m, x)
-    times = [[] for _ in modules]
-    for _ in range(repeats):
-        for m, ts in zip(modules, times, strict=True):
-            ts.append(_step(m, x))
-    return times
+    fns = {i: (lambda m=m: train_step(m, m, x)) for i, m in enumerate(modules)}
+    return list(timed_turns(fns, repeats).values())
 
 
 def _row(shape: str, names: tuple[str, str], times: list[list[float]], dtype: torch.dtype) -> str:

@@ -66,6 +66,14 @@ def timed_turns(
     return samples
 
 
+def train_step(run, module: torch.nn.Module, x: torch.Tensor) -> None:
+    """One forward + backward of ``run`` on a fresh leaf copy of ``x`` (the loss the outputs'
+    mean square), then ``module``'s gradients cleared: the step the layer benchmarks time."""
+    x_ = x.detach().requires_grad_()
+    run(x_).square().mean().backward()
+    module.zero_grad(set_to_none=True)
+
+
 def once(fn, sync=None) -> float:
     """Seconds of one call of ``fn`` (``sync`` after it, e.g. torch.cuda.synchronize)."""
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.adapters import _titan_moe
-from benchmarks.common import run_meta, timed_turns
+from benchmarks.common import run_meta, timed_turns, train_step
 from moe import MoE, MoEConfig
 
 POINTS = {
@@ -118,12 +118,6 @@ CONTENDERS = {
 }
 
 
-def _step(run, module, x):
-    x_ = x.detach().requires_grad_()
-    run(x_).square().mean().backward()
-    module.zero_grad(set_to_none=True)
-
-
 def _touch(mib: int):
     """Make, write and free ``mib`` MiB of fresh memory: what the rest of a model (attention,
     other layers) does between two calls of the layer."""
@@ -142,7 +136,7 @@ def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32, apart
         try:
             run, module = make(d, f, e, k)
             module.to(device, dtype)
-            fns[name] = lambda run=run, module=module: _step(run, module, x)
+            fns[name] = lambda run=run, module=module: train_step(run, module, x)
         except Exception as err:  # a peer this install lacks: say so, compare the rest
             print(f"skip {name} at T={t} D={d} F={f} E={e} K={k}: {type(err).__name__}: {err}", file=sys.stderr)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
@@ -179,10 +173,10 @@ def profile_point(t, d, f, e, k, only, steps: int = 5, dtype=torch.float32) -> l
         run, module = make(d, f, e, k)
         module.to(dtype=dtype)
         for _ in range(3):
-            _step(run, module, x)
+            train_step(run, module, x)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
-                _step(run, module, x)
+                train_step(run, module, x)
         events = prof.key_averages()
         total = sum(ev.self_cpu_time_total for ev in events) / steps / 1e3
         gemm = sum(ev.self_cpu_time_total for ev in events if ev.key in GEMMS) / steps / 1e3

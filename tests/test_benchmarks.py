@@ -104,17 +104,17 @@ def test_adapters_slot_runs_both_layers_in_the_dtype_asked(dtype, capsys, monkey
     pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
     from benchmarks import adapters
 
-    seen, outputs, step = [], [], adapters._step
+    seen, outputs, step = [], [], adapters.train_step
 
-    def recording(module, x):
+    def recording(run, module, x):
         seen.append((type(module).__name__, x.dtype, {p.dtype for p in module.parameters()}))
         hook = module.register_forward_hook(lambda _m, _i, out: outputs.append(out.dtype))
         try:
-            return step(module, x)
+            return step(run, module, x)
         finally:
             hook.remove()
 
-    monkeypatch.setattr(adapters, "_step", recording)
+    monkeypatch.setattr(adapters, "train_step", recording)
     argv = ["--tokens", "32", "--dim", "16", "--hidden", "32", "--experts", "4", "--top-k", "2", "--repeats", "3"]
     adapters.main([*argv, "--dtype", dtype])
     want = getattr(torch, dtype)
