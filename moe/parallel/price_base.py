@@ -64,12 +64,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..routing.balanced import _Capacities, _check, _check_extras, _jitter_pattern, _sub_transposed
+from ..routing.balanced import _Capacities, _check, _check_extras, _jitter_pattern, _sub_transposed, balanced_prices
 from ..routing.config import check_float
 from .price_margin import solve_margin
 from .price_prices import capacities, jacobi_prices, local_start_pays, pair_prices, pair_rounds_pay
 from .price_rows import margin_row_bytes
-from .reduction import Reduction, ShardReduce
+from .reduction import Reduction
 
 __all__ = ["PriceStats", "price_balanced_assignment"]
 
@@ -294,21 +294,17 @@ def _local_start(
     parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float, max_cycles: int | None = None
 ):
     """Prices to start a call without a previous one from (E,) float64 in the normalised units,
-    or None: every rank solves its own tokens alone, exactly (this solver on one rank: no
-    collective), and one gather of their prices (W x E float32, NaN from a rank with nothing
-    to solve) gives every rank the same per-expert median. The median, not the mean: one rank
-    whose tokens crowd onto an expert would move that expert's start far off (docs/parallel.md,
-    "Local start")."""
+    or None: every rank solves its own tokens alone, exactly (the single-process solver's
+    certified prices, `balanced_prices`: no collective), and one gather of their prices (W x E
+    float32, NaN from a rank with nothing to solve) gives every rank the same per-expert
+    median. The median, not the mean: one rank whose tokens crowd onto an expert would move
+    that expert's start far off (docs/parallel.md, "Local start")."""
     num_experts = parts_TE[0].shape[1]
     rows = []
     for scores in parts_TE:
         mine = None
-        if scores.shape[0]:
-            with warnings.catch_warnings():  # a start only: a capped local solve changes nothing
-                warnings.simplefilter("ignore", RuntimeWarning)
-                _, mine, _ = price_balanced_assignment(
-                    [scores], k, ShardReduce(1), extras=extras, eps=eps, max_cycles=max_cycles
-                )
+        if scores.shape[0]:  # a start only: a capped local solve changes nothing
+            _, mine, _ = balanced_prices(scores, k, extras=extras, eps=eps, max_cycles=max_cycles)
         if mine is None:
             mine = torch.full((num_experts,), float("nan"), dtype=torch.float64)
         # in the group's normalised units before float32: fp64 scores beyond its range stay finite

@@ -431,6 +431,27 @@ def cancel_cycles(
     ``movable``: the extra slots may change experts (module docstring): the loads must then be b
     or b + 1 with b = T * K // E, and the result is optimal among all such loads.
     """
+    return _cancel(
+        s_ET, out_TK, max_cycles=max_cycles, delta=delta, candidates=candidates, band=band, basis=basis, movable=movable
+    )[0]
+
+
+def _cancel(
+    s_ET: Tensor,
+    out_TK: Tensor,
+    *,
+    max_cycles: int,
+    delta: float,
+    candidates: Tensor | None = None,
+    band: float = 0.005,
+    basis: tuple[Tensor, Tensor] | None = None,
+    movable: bool = False,
+    start: Tensor | None = None,
+) -> tuple[bool, Tensor]:
+    """`cancel_cycles`, returning also the prices (E,) of its last search, which certify the
+    result where it passes. ``start`` (E,): prices every search ends from once it finds no
+    cycle (`_Graph.cancel`), so the prices rise from them only where a move needs it; None:
+    from zeros."""
     if bool((out_TK < 0).any()):
         raise ValueError("cancel_cycles needs a complete assignment (found slots of -1)")
     num_experts, num_tokens = s_ET.shape
@@ -444,15 +465,16 @@ def cancel_cycles(
     is_candidate = torch.zeros(num_tokens, dtype=torch.bool, device=s_ET.device).index_fill_(0, tok, True)
     band = max(band, 1e-3)
     applied = 0
+    first = None if start is None else _host(start.reshape(-1).to(s_ET.dtype)).copy()
     while True:
         extra = _host(torch.bincount(out_TK.flatten(), minlength=num_experts) > base).copy() if movable else None
         graph = _Graph(_host(s_ET.index_select(1, tok)), _host(out_TK.index_select(0, tok)), delta, extra)
-        done, n, dist = graph.cancel(max_cycles - applied)
+        done, n, dist = graph.cancel(max_cycles - applied, None if first is None else first.copy())
         applied += n
         out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
-        if not done:
-            return False
         prices = torch.from_numpy(dist).to(device=s_ET.device, dtype=s_ET.dtype)
+        if not done:
+            return False, prices
         if basis is None:
             bad = violations(s_ET, prices, out_TK, delta)
         else:
@@ -461,7 +483,7 @@ def cancel_cycles(
             near = torch.nonzero((basis[1] < reach) & ~is_candidate).flatten()
             bad = near[violations(s_ET.index_select(1, near), prices, out_TK.index_select(0, near), delta)]
         if bad.numel() == 0 or bool(is_candidate[bad].all()):  # candidates pass by construction
-            return True
+            return True, prices
         band *= 2  # grow geometrically: a few rebuilds at most
         tok = torch.unique(torch.cat([tok, bad, violations(s_ET, prices, out_TK, -band)]))
         is_candidate.index_fill_(0, tok, True)

@@ -15,7 +15,7 @@ from moe.parallel import price_base, price_margin, price_prices, price_rows
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
-from moe.routing.balanced import assignment_bound, assignment_score, balanced_assignment
+from moe.routing.balanced import assignment_bound, assignment_score, balanced_assignment, balanced_prices
 from tests.parallel.launch import init, spawn
 from tests.routing.test_balanced import check_feasible, make_scores, optimum
 
@@ -149,7 +149,7 @@ def test_prices_where_the_scores_have_no_finite_units():
     )
 
 
-@pytest.mark.parametrize("iters", [1, 3])
+@pytest.mark.parametrize("iters", [1, 2])
 def test_capped_price_updates_widen_the_margin(iters):
     """Price updates stopped at their cap (far from converged): the margin holds at least
     `CAPPED_SHARE` of the tokens, the result is still the single-process solver's, and the
@@ -192,6 +192,26 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     with mock.patch.object(price_prices, "STALL", float("inf")):
         _, _, slow = solve_simulated(x, sizes, 1, "best", prices, local_start=False)
     assert slow.price_updates == price_base.PRICE_ITERS[1]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_local_start_lands_near_the_groups_prices(k):
+    """Each rank's own exact prices (`balanced_prices`), brought to the group's normalised units
+    and their per-expert median taken, start within a few percent of the group's optimal prices,
+    where those spread over a fifth of the range (one rank has no tokens and sends NaN; the
+    scores are scaled by 50, so prices left in the scores' units would start far off)."""
+    sizes = [512, 0, 480, 544, 512, 500, 530, 520]
+    g = torch.Generator().manual_seed(k)
+    x = 50.0 * (torch.randn(sum(sizes), 12, generator=g, dtype=torch.float64) + torch.linspace(0, 2.0, 12))
+    parts = split(x, sizes)
+    _, p, _ = price_balanced_assignment(parts, k, ShardReduce(len(sizes)))
+    unit = float((x.amax(1) - x.amin(1)).amax())  # the group's largest per-token range
+    optimal = p / unit
+    start = price_base._local_start(parts, k, ShardReduce(len(sizes)), "best", 1e-6, unit)
+    assert start is not None and start.dtype == torch.float64
+    start = start - start.mean()
+    assert float(optimal.max() - optimal.min()) > 0.2
+    assert float((start - optimal).abs().max()) < 0.03, (start - optimal).abs().max()
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -240,7 +260,7 @@ def test_a_stalled_warm_start_tries_the_local_start(k):
             return price_balanced_assignment(split(x, sizes), k, ShardReduce(len(sizes)), prices=prices)
 
     kept = set()
-    for seed in range(4):
+    for seed in range(6):
         x = make_scores(seed, sum(sizes), 16, "gauss")
         x[::8] = x[0]  # a tied group: no prices split it, so neither start's updates converge
         rng = float((x.amax(1) - x.amin(1)).amax())
@@ -394,7 +414,7 @@ def test_a_cold_start_is_the_median_of_the_ranks_own_prices():
     parts[2][:, 0] += 5.0  # every token of rank 2 wants expert 0
     red = ShardReduce(len(sizes))
     got = price_base._local_start(parts, 1, red, "best", 1e-6, unit=1.0)
-    own = [price_balanced_assignment([p], 1, ShardReduce(1))[1] for p in parts if p.shape[0]]
+    own = [balanced_prices(p, 1)[1] for p in parts if p.shape[0]]
     stacked = torch.stack(own).to(torch.float32).to(torch.float64)
     assert torch.equal(got, stacked.median(0).values)  # four rows: the lower middle one, exactly
     assert (got - stacked.mean(0)).abs()[0] > 0.5  # the mean would follow rank 2

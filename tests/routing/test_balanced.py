@@ -28,6 +28,7 @@ from moe.routing.balanced import (
     _pair_layout_host,
     _Pairs,
     _Work,
+    balanced_prices,
 )
 from moe.routing.balanced import exact as exact_module
 from moe.routing.balanced.small import _top2_host
@@ -665,6 +666,57 @@ def test_capacities_on_the_host_equal_the_tensor(t, e, k):
     assert expert_capacities_list(t, e, k) == expert_capacities(t, e, k).tolist()
     with pytest.raises(ValueError, match="k must be in"):
         expert_capacities_list(t, e, e + 1)
+
+
+def prices_on_torch_ops(scores: torch.Tensor, k: int = 1, **options):
+    """`balanced_prices` with every problem on its torch ops (as `on_torch_ops`)."""
+    with mock.patch.object(exact_module, "SMALL", 0):
+        return balanced_prices(scores, k, **options)
+
+
+@pytest.mark.parametrize("solve", [balanced_prices, prices_on_torch_ops])
+@pytest.mark.parametrize("extras", ["best", "lowest"])
+@given(problem=problems())
+def test_balanced_prices_certify_an_optimal_assignment(solve, extras, problem):
+    """`balanced_prices`: a balanced assignment within the solver's tolerance of scipy's
+    optimum, and prices (E,) float64 with mean zero under which no balanced assignment scores
+    more than it, by more than that tolerance (weak duality: the prices' bound meets its
+    total). None only where there is no choice to make (K = E, or every token's scores all
+    equal)."""
+    scores, k = problem
+    t, e = scores.shape
+    out, prices, done = solve(scores, k, extras=extras)
+    assert done
+    check_feasible(out, t, e, k, extras)
+    got = float(assignment_score(scores, out))
+    assert abs(got - optimum(scores, k, extras)) <= tolerance(scores, k)
+    flat = bool((scores.amax(1) == scores.amin(1)).all())
+    if prices is None:
+        assert k == e or flat
+        return
+    assert not flat and prices.shape == (e,) and prices.dtype == torch.float64
+    assert abs(float(prices.mean())) <= 1e-12 * (1.0 + float(prices.abs().max()))
+    assert float(assignment_bound(scores, prices, k, extras=extras)) - got <= tolerance(scores, k)
+
+
+def test_balanced_prices_are_in_the_scores_units():
+    """Scores scaled by c, or shifted per token, give the same assignment and the prices times
+    c, or the same prices: the solve runs on the normalised scores, whose units the prices are
+    brought back to."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(4096, 16, generator=g, dtype=torch.float64)
+    scores[:, 2] += 0.4  # crowded: the pick drops tokens and the fill and cycles move them
+    out, prices, _ = balanced_prices(scores, 2)
+    assert torch.equal(out, balanced_assignment(scores, 2))
+    for c in (3.0, 1e-3):
+        out_c, prices_c, _ = balanced_prices(scores * c, 2)
+        assert torch.equal(out_c, out)
+        torch.testing.assert_close(prices_c, prices * c, rtol=1e-9, atol=1e-12 * c)
+    shifted, prices_s, _ = balanced_prices(scores + torch.randn(4096, 1, generator=g, dtype=torch.float64), 2)
+    assert torch.equal(shifted, out)
+    torch.testing.assert_close(prices_s, prices, rtol=0, atol=1e-9)
+    got = float(assignment_score(scores, out))
+    assert float(assignment_bound(scores, prices, 2)) - got <= tolerance(scores, 2)
 
 
 def test_small_problems_whose_prices_prove_the_pick_skip_the_cycles(monkeypatch):

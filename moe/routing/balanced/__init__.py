@@ -34,7 +34,7 @@ from .capacities import (
     expert_capacities,
     expert_capacities_list,
 )
-from .exact import balanced_assignment
+from .exact import balanced_assignment, balanced_prices
 from .inputs import (
     _add_jitter,
     _check,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ..exchange import cancel_cycles
+from ..exchange import _cancel
 from .buffers import _Work
 from .capacities import _Capacities, _check_extras
-from .inputs import _normalise, _nothing_to_solve
+from .inputs import _normalise_unit, _nothing_to_solve
 from .pick import _fill, _select
 from .prices import _jacobi_prices, _prices
 from .small import SMALL, _HostPrices, host_finish, host_prices
@@ -67,24 +68,7 @@ def balanced_assignment(
     (E, C) and (E, E) arrays) and their slots back, and a few per certificate check (usually one check). A
     bounded number, whatever the input.
     """
-    _check_extras(extras)
-    trivial = _nothing_to_solve(scores_TE, k, max_iters, max_cycles, eps, check_finite=True)
-    if trivial is not None:
-        return trivial
-    num_tokens, num_experts = scores_TE.shape
-    device = scores_TE.device
-    # cheaper per op than no_grad (the result is cloned out of it); on the CPU, on the thread
-    # count measured faster for this size (`threads`: a busy core stalls every parallel op)
-    with torch.inference_mode(), _threads_for(scores_TE, k):
-        work = _Work(scores_TE, sync_ok=True)
-        s = _normalise(scores_TE, jitter=eps / 2, work=work)
-        caps = _Capacities(num_tokens, num_experts, k, extras, device, host=device.type == "cpu")
-        budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
-        delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
-        if k == 1 and device.type == "cpu" and num_tokens * num_experts <= SMALL:
-            out, done = _host_solve(s, caps, max_iters, delta, budget)
-        else:
-            out, done = _solve(s, caps, k, max_iters, delta, budget, work)
+    out, _, done, budget = _balanced(scores_TE, k, max_iters, eps, max_cycles, extras, with_prices=False)
     if not done:
         warnings.warn(
             f"balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "
@@ -92,13 +76,65 @@ def balanced_assignment(
             RuntimeWarning,
             stacklevel=2,
         )
-    return out.clone()  # a normal tensor: an inference tensor cannot be saved for backward
+    return out
+
+
+def balanced_prices(
+    scores_TE: Tensor,
+    k: int = 1,
+    *,
+    max_iters: int = 6,
+    eps: float = 1e-6,
+    max_cycles: int | None = None,
+    extras: str = "best",
+) -> tuple[Tensor, Tensor | None, bool]:
+    """`balanced_assignment` (the same arguments, checks and assignment), with prices that
+    certify it: under them every token holds K of its best experts less the prices, within the
+    solver's tolerance. The exchange cycles' last search ends from the prices the tokens were
+    picked under, so the prices are those raised only where a move needs it (what a group
+    start, `moe.parallel.price_base`, takes from a rank's own tokens), not the search's
+    distances from zero.
+
+    Returns (expert_idx (T, K), prices (E,) float64 in the scores' units with mean zero, or
+    None where there was no choice to make or every token's scores are all equal, certified:
+    False where the cycle budget ran out first; then the prices are the last search's)."""
+    out, prices, done, _ = _balanced(scores_TE, k, max_iters, eps, max_cycles, extras, with_prices=True)
+    return out, prices, done
+
+
+def _balanced(scores_TE, k, max_iters, eps, max_cycles, extras, with_prices):
+    """(the assignment, the prices as `balanced_prices` returns them where ``with_prices``, else
+    None, certified, the cycle budget)."""
+    _check_extras(extras)
+    trivial = _nothing_to_solve(scores_TE, k, max_iters, max_cycles, eps, check_finite=True)
+    if trivial is not None:
+        return trivial, None, True, max_cycles
+    num_tokens, num_experts = scores_TE.shape
+    device = scores_TE.device
+    # cheaper per op than no_grad (the result is cloned out of it); on the CPU, on the thread
+    # count measured faster for this size (`threads`: a busy core stalls every parallel op)
+    with torch.inference_mode(), _threads_for(scores_TE, k):
+        work = _Work(scores_TE, sync_ok=True)
+        s, unit = _normalise_unit(scores_TE, jitter=eps / 2, work=work)
+        caps = _Capacities(num_tokens, num_experts, k, extras, device, host=device.type == "cpu")
+        budget = num_tokens * k + num_experts if max_cycles is None else max_cycles
+        delta = max(eps, 8 * torch.finfo(s.dtype).eps)  # below this, gains are rounding noise
+        if k == 1 and device.type == "cpu" and num_tokens * num_experts <= SMALL:
+            out, done, p = _host_solve(s, caps, max_iters, delta, budget, with_prices)
+        else:
+            out, done, p = _solve(s, caps, k, max_iters, delta, budget, work, with_prices)
+    prices = None
+    if with_prices and 0 < unit < float("inf"):  # outside inference mode: a normal tensor
+        prices = torch.as_tensor(p).to(device=device, dtype=torch.float64).reshape(-1) * unit
+        prices = prices - prices.mean() if bool(prices.isfinite().all()) else None
+    return out.clone(), prices, done, budget  # a normal tensor: an inference tensor cannot be saved for backward
 
 
 def _solve(
-    s: Tensor, caps: _Capacities, k: int, max_iters: int, delta: float, budget: int, work: _Work
-) -> tuple[Tensor, bool]:
-    """The assignment (T, K), and False if the cycle budget ran out before the certificate."""
+    s: Tensor, caps: _Capacities, k: int, max_iters: int, delta: float, budget: int, work: _Work, with_prices: bool
+) -> tuple[Tensor, bool, Tensor]:
+    """The assignment (T, K), False if the cycle budget ran out before the certificate, and the
+    cycles' final prices (E,) (their searches end from the pick's prices ``with_prices``)."""
     p, cap, out, margin = _start(s, caps, k, max_iters, work)
     # candidates for exchange cycles: tokens near a boundary under p, and those refilled
     near = (margin < 0.005) | (out < 0).any(dim=1)
@@ -106,10 +142,11 @@ def _solve(
     if swapped:  # moved off their best experts by the fill's exchanges
         near[swapped] = True
     candidates = torch.nonzero(near).flatten()
-    done = cancel_cycles(
-        s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin), movable=caps.movable
-    )
-    return out, done
+    done, prices = _cancel(
+        s, out, max_cycles=budget, delta=delta, candidates=candidates, basis=(p, margin), movable=caps.movable,
+        start=p if with_prices else None,
+    )  # fmt: skip
+    return out, done, prices
 
 
 def _start(s: Tensor, caps: _Capacities, k: int, max_iters: int, work: _Work) -> tuple[Tensor, ...]:
@@ -129,11 +166,13 @@ def _start(s: Tensor, caps: _Capacities, k: int, max_iters: int, work: _Work) ->
     return p, cap, out, margin
 
 
-def _host_solve(s: Tensor, caps: _Capacities, max_iters: int, delta: float, budget: int) -> tuple[Tensor, bool]:
+def _host_solve(
+    s: Tensor, caps: _Capacities, max_iters: int, delta: float, budget: int, with_prices: bool
+) -> tuple[Tensor, bool, np.ndarray]:
     """`_solve` for small CPU problems at K = 1 (`small`), every step in numpy. When every
     token's best expert under the prices is unique and every expert leads exactly its load, the
     pick meets the prices' bound (`assignment_bound`): it is optimal, with nothing to fill or
-    exchange."""
+    exchange, and those prices certify it."""
     state = host_prices(_HostPrices(s.numpy(), caps), max_iters)
     out, margin = state.pick()
     for _ in range(3):  # as in `_start`
@@ -141,8 +180,11 @@ def _host_solve(s: Tensor, caps: _Capacities, max_iters: int, delta: float, budg
             break
         state = host_prices(state, max(max_iters, 2))
         out, margin = state.pick()
-    done = state.balanced() or host_finish(state, out, margin, delta, budget)
-    return torch.from_numpy(out)[:, None], done
+    if state.balanced():
+        done, prices = True, state.p
+    else:
+        done, prices = host_finish(state, out, margin, delta, budget, start=with_prices)
+    return torch.from_numpy(out)[:, None], done, prices
 
 
 def _threads_for(scores_TE: Tensor, k: int):

@@ -40,6 +40,11 @@ def _check_options(max_iters: int, max_cycles: int | None, eps: float) -> None:
 
 
 def _normalise(scores: Tensor, jitter: float, work: _Work | None = None) -> Tensor:
+    """`_normalise_unit`'s scores alone."""
+    return _normalise_unit(scores, jitter, work)[0]
+
+
+def _normalise_unit(scores: Tensor, jitter: float, work: _Work | None = None) -> tuple[Tensor, float]:
     """(T, E) -> (E, T) in float32 or float64: every token's best score at 0, all in [-1, 0],
     plus a deterministic pseudo-random jitter in [0, jitter) that splits exact ties.
 
@@ -49,20 +54,21 @@ def _normalise(scores: Tensor, jitter: float, work: _Work | None = None) -> Tens
     differences can neither overflow nor vanish. Without the jitter, tokens with identical
     scores cannot be told apart by prices and each one costs an exchange later; with it, the
     objective moves by less than ``jitter`` per slot. One host sync (the finiteness check and the
-    scale). ``work``: the buffers for the result (``s``) and the jitter's pattern.
+    scale). ``work``: the buffers for the result (``s``) and the jitter's pattern. Also returns
+    the scores' units in one of the result's (0 where every token's scores are all equal).
     """
     dtype = torch.promote_types(scores.dtype, torch.float32)
     lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)  # per token; NaN propagates
     big, half = torch.stack([torch.maximum(hi.abs(), lo.abs()).amax(), (hi * 0.5 - lo * 0.5).amax()]).tolist()
     _check_finite(big, scores)
-    x, scale = scores, 2 * half
+    x, scale, unit = scores, 2 * half, 1.0
     if big > 1e30 or 0 < big < 1e-30:  # differences could overflow or underflow: to [-1, 1] first
         x, lo, hi = scores.to(dtype) / big, lo / big, hi / big
-        scale = float((hi - lo).amax())
+        scale, unit = float((hi - lo).amax()), big
     s = _sub_transposed(x, hi, x.new_empty(x.shape[::-1], dtype=dtype) if work is None else work.s)
     if scale > 0:
         s.div_(scale)
-    return _add_jitter(s, jitter, None if work is None else work.pattern)
+    return _add_jitter(s, jitter, None if work is None else work.pattern), unit * scale
 
 
 def _normalise_nosync(scores: Tensor, jitter: float, work: _Work) -> Tensor:

@@ -114,12 +114,16 @@ def host_prices(state: _HostPrices, iters: int) -> _HostPrices:
     return state
 
 
-def host_finish(state: _HostPrices, out_T: np.ndarray, margin_T: np.ndarray, delta: float, budget: int) -> bool:
+def host_finish(
+    state: _HostPrices, out_T: np.ndarray, margin_T: np.ndarray, delta: float, budget: int, start: bool = False
+) -> tuple[bool, np.ndarray]:
     """The fill and the exchange cycles of `exact` on the host, in place on ``out`` (T,): the
     dropped tokens take their best experts with room, cycles run among the tokens near a
     boundary, and every token is checked against the cycles' final prices (at this size one
     pass over all of them); where some fail, the candidates grow (the failing ones and those
-    within a doubling band) and the cycles go on. False when ``budget`` cycles ran out first."""
+    within a doubling band) and the cycles go on. Returns False when ``budget`` cycles ran out
+    first (else True), and the cycles' final prices (E,). ``start``: the searches end from the
+    state's prices (`exchange._cancel`), not from zeros."""
     s, caps = state.s, state.caps
     num_experts = s.shape[0]
     out = out_T[:, None]  # (T, 1) view: `fill_passes` and the graph take (N, K) slots
@@ -137,18 +141,18 @@ def host_finish(state: _HostPrices, out_T: np.ndarray, margin_T: np.ndarray, del
     while True:
         extra = np.bincount(out_T, minlength=num_experts) > caps.base if caps.movable else None
         graph = _Graph(s[:, tok], out[tok], delta, extra)
-        done, n, dist = graph.cancel(budget - applied)
+        done, n, dist = graph.cancel(budget - applied, state.p.copy() if start else None)
         applied += n
         out[tok] = graph.out
         if not done:
-            return False
+            return False, dist
         a = s - dist.astype(s.dtype)[:, None]
         held = a[out_T, rows]
         a[out_T, rows] = -np.inf
         gap = held - a.max(axis=0)  # each token's lead over its best other expert (< 0: behind)
         bad = np.flatnonzero(gap < -delta)
         if bad.size == 0 or near[bad].all():  # candidates pass by construction
-            return True
+            return True, dist
         band *= 2  # grow geometrically: a few rebuilds at most
         near |= gap < band
         tok = np.flatnonzero(near)
