@@ -76,6 +76,7 @@ STEP = 4  # a band's growth: where fixed tokens overfill, where the fill fails, 
 # band needed by up to this factor, and its rows cost bytes (docs/benchmarks.md, "Finer steps")
 GROW = 2
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
+ROW_BLOCK = 1 << 15  # gathered rows updated at a time by a certificate round
 
 
 def solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats):
@@ -123,6 +124,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
     had = [torch.zeros_like(m, dtype=torch.bool) for _, m in picks]
     had_sizes = [0] * world
     mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
+    graph = None
     while True:
         last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
         near, want = [], []  # the margin's tokens per shard, and the pulled expert each row carries
@@ -181,6 +183,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         # certificate's prices rise from them only where a margin row's move needs it and few
         # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
         # thousand did)
+        graph = None  # a graph holds two copies of the rows' scores: the last one goes first
         graph = _graph(s_res, slots, delta, extra)
         cancelled = graph.cancel(budget, p.cpu().numpy().astype(s_res.numpy().dtype))
         short = None if last else _unsent_columns(s_res, torch.from_numpy(graph.out))
@@ -228,6 +231,7 @@ def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
     outs = [out.clone() for out, _ in mg.picks]
     applied, ok = 0, False
     graph, cancelled, start, slots = mg.graph, mg.cancelled, None, None  # the first round: step 3's cycles
+    mg.graph = None  # held here alone, so that each round's graph goes once its cycles ran
     for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
         if check:
             graph = _graph(s_res, slots, delta, extra)
@@ -235,6 +239,9 @@ def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
         done, n, dist = cancelled
         applied, start = applied + n, dist
         slots = torch.from_numpy(graph.out)
+        if extra is not None:
+            extra = graph.extra
+        graph = None  # its two copies of the rows' scores go before more rows come
         stats.cycles, stats.checks = applied, check + 1
         prices = torch.from_numpy(dist).to(torch.float64)
         if not done:
@@ -281,13 +288,16 @@ def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
             rows_b = added[first : first + b.numel()]
             ar[b] = rows_b.to(ar.device)
             ids[rows_b] = b.cpu() + st
-        # their slots are the ones held already; the columns they carried before stay
-        s_res[:, again[old]] = torch.where(new_s[:, old] == UNSENT, s_res[:, again[old]], new_s[:, old])
+        # their slots are the ones held already; the columns they carried before stay (a block
+        # of rows at a time: late rounds can send nearly every row again, and the whole
+        # problem's temporaries would hold several copies of the rows' scores)
+        at, fresh = again[old], old.nonzero().flatten()
+        for c0 in range(0, at.numel(), ROW_BLOCK):
+            i, f = at[c0 : c0 + ROW_BLOCK], new_s[:, fresh[c0 : c0 + ROW_BLOCK]]
+            s_res[:, i] = torch.where(f == UNSENT, s_res[:, i], f)
         new = ~old
         slots = torch.cat([slots, new_slots[new]])
         s_res = torch.cat([s_res, new_s[:, new]], 1)
-        if extra is not None:
-            extra = graph.extra
         stats.margin_rows = ids.numel()
     _write(outs, ids, slots, starts, sizes, red)
     return outs, prices - prices.mean(), ok

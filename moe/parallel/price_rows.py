@@ -98,8 +98,12 @@ def unpack_rows(rows: Tensor, lay: RowLayout, cols: int, keyed: bool = True) -> 
     keys = of_bytes(rows[:, :at], lay.index)[:, 0].long() if keyed else None
     named = of_bytes(rows[:, at : at + n_named], lay.expert).long()
     s = of_bytes(rows[:, at + n_named :], lay.score)
-    if cols < lay.num_experts:
-        s = torch.full((rows.shape[0], lay.num_experts), UNSENT, dtype=lay.score).scatter_(1, named, s)
+    if cols < lay.num_experts:  # (E, n) at once: no (n, E) copy beside it
+        return (
+            keys,
+            named[:, : lay.k],
+            torch.full((lay.num_experts, rows.shape[0]), UNSENT, dtype=lay.score).scatter_(0, named.T, s.T),
+        )
     return keys, named[:, : lay.k], s.T.contiguous()
 
 

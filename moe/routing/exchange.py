@@ -59,6 +59,7 @@ def violations(s_ET: Tensor, prices_E: Tensor, out_TK: Tensor, band: float) -> T
 
 
 SCAN_WHOLE = 1 << 15  # positions below which a touched group is rescanned whole (cheaper than finding its edges)
+GAIN_BLOCK = 1 << 15  # positions whose gains a graph makes at a time (`_Graph._position_gains`)
 
 
 class _Graph:
@@ -85,7 +86,7 @@ class _Graph:
     def __init__(self, s_EC: np.ndarray, out_CK: np.ndarray, delta: float, extra: np.ndarray | None = None) -> None:
         self.out, self.delta, self.extra = out_CK, delta, extra
         self.s_CE = np.ascontiguousarray(s_EC.T)
-        num_experts, num_cand = s_EC.shape[0], out_CK.shape[0]
+        num_experts = s_EC.shape[0]
         flat = out_CK.ravel()  # slot i is slot i % K of candidate i // K
         size = np.bincount(flat, minlength=num_experts)
         if extra is None:
@@ -94,7 +95,6 @@ class _Graph:
             self.pos[self.slot] = np.arange(self.slot.size)  # the position of each slot
             self.end = np.cumsum(size)
             self.begin = self.end - size
-            g = self._gains(np.arange(num_cand))[self.slot]
             group = flat[self.slot]
         else:
             self.end = np.cumsum(size + 1)
@@ -106,9 +106,8 @@ class _Graph:
             self.slot[at] = order
             self.pos = np.empty_like(order)
             self.pos[order] = at
-            gains = np.vstack([self._gains(np.arange(num_cand)), np.full((1, num_experts), -np.inf, s_EC.dtype)])
-            g = gains[self.slot]  # a free position (-1) reads the last row, all -inf
             group = np.repeat(np.arange(num_experts), size + 1)
+        g = self._position_gains()
         # every edge at once: a scatter-max of each position's gains into its expert's row
         # (torch's scatter_reduce on the same memory: 5x faster than numpy's reduceat here)
         self.gain = np.full((num_experts, num_experts), -np.inf, dtype=s_EC.dtype)  # gain[a, b]: a -> b
@@ -134,6 +133,29 @@ class _Graph:
             return np.zeros(len(a), dtype=bool)
         src, dst = np.asarray(a), np.asarray(b)
         return ~self.extra[src] & self.extra[dst] & (self.gain[src, dst] < 0)
+
+    def _position_gains(self) -> np.ndarray:
+        """(positions, E): `_gains` of the slot at every position, in position order (-inf at a
+        free one), made ``GAIN_BLOCK`` positions at a time. With many candidates (a group's
+        margin, millions of rows) the whole (C * K, E) of `_gains` and its copy in position
+        order would hold twice the graph's own memory at once."""
+        k = self.out.shape[1]
+        g = np.empty((self.slot.size, self.s_CE.shape[1]), dtype=self.s_CE.dtype)
+        for p0 in range(0, self.slot.size, GAIN_BLOCK):
+            slot = self.slot[p0 : p0 + GAIN_BLOCK]
+            block = g[p0 : p0 + slot.size]
+            live = np.flatnonzero(slot >= 0)
+            if live.size < slot.size:
+                block.fill(-np.inf)
+            if live.size:
+                tokens, j = np.divmod(slot[live], k)
+                held = self.out[tokens]  # (n, K)
+                rows = np.arange(live.size)
+                s = self.s_CE[tokens]  # (n, E), a copy: written in place below
+                s -= s[rows, held[rows, j]][:, None]  # the same differences as `_gains`
+                s[rows[:, None], held] = -np.inf
+                block[live] = s
+        return g
 
     def _gains(self, tokens: np.ndarray) -> np.ndarray:
         """(len(tokens) * K, E): the gain of moving each slot of these candidates (token-major)
