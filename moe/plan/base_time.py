@@ -24,8 +24,9 @@ updates and margin. Before them a stalled warm solve also tries the local start 
 where its gather and up to `price_base.PRICE_ITERS` [1] more updates cost less than that
 eighth (`price_prices.local_start_pays`, called as the solver calls it): costed as
 its gather, `PRICE_UPDATES` more updates and their rounds, and the rank's cold solve of its
-own tokens as `LOCAL_SOLVE_PASSES` passes over its scores (its updates up to their cap and
-the margin; its exchange cycles are not counted).
+own tokens by the single-process solver (`moe.routing.balanced.balanced_prices`) as
+`LOCAL_SOLVE_PASSES` passes over its scores (its price updates, the normalisation, the pick,
+the fill and the check; its exchange cycles are not counted).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ PRICE_UPDATES = 8  # 6-10 measured at W = 64, K = 1 and 8, E = 64 and 256
 STALLED = False  # the updates stall (a trained router's scores): the pair rounds run where they pay
 ROUND_LATENCY_S = 50e-6
 PASSES = 2 * PRICE_UPDATES + 4  # a histogram pass and a pick per update, the normalisation, the margin
-LOCAL_SOLVE_PASSES = 2 * PRICE_ITERS[0] + 4  # a rank's cold solve of its own tokens, its updates to their cap
+LOCAL_SOLVE_PASSES = 2 * 6 + 4  # a rank's cold solve of its own tokens: `balanced_prices`' 6 updates and 4 more
 
 
 def uses_global_base(cfg: LlamaConfig, lay: Layout) -> bool:
