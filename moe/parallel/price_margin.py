@@ -215,6 +215,7 @@ def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
     dtype = s_parts[0].dtype
     world = red.world
     s_res, extra, lay, cols = mg.s_res, mg.extra, mg.lay, mg.cols
+    mg.s_res = None  # held here alone: each round's rows go once the next ones are made
     # which residual row each local token is (-1: fixed), and the global index of each
     # residual row that a local shard sent (-1: another rank's, which this one never writes)
     ids = torch.full((s_res.shape[1],), -1, dtype=torch.int64)

@@ -26,7 +26,9 @@ eighth (`price_prices.local_start_pays`, called as the solver calls it): costed 
 its gather, `PRICE_UPDATES` more updates and their rounds, and the rank's cold solve of its
 own tokens by the single-process solver (`moe.routing.balanced.balanced_prices`) as
 `LOCAL_SOLVE_PASSES` passes over its scores (its price updates, the normalisation, the pick,
-the fill and the check; its exchange cycles are not counted).
+the fill and the check; its exchange cycles are not counted). A lower bound: on tie-heavy
+scores, where the pick drops over 1% of the slots, up to three more rounds of updates run
+(up to 2 x 24 + 4 passes).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE, PRICE_ITERS
 from ..parallel.price_prices import PAIR_ROUNDS, local_start_pays, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import margin_row_bytes
+from ..routing.balanced.exact import MAX_ITERS
 from .layout import Layout
 
 __all__ = [
@@ -54,7 +57,7 @@ PRICE_UPDATES = 8  # 6-10 measured at W = 64, K = 1 and 8, E = 64 and 256
 STALLED = False  # the updates stall (a trained router's scores): the pair rounds run where they pay
 ROUND_LATENCY_S = 50e-6
 PASSES = 2 * PRICE_UPDATES + 4  # a histogram pass and a pick per update, the normalisation, the margin
-LOCAL_SOLVE_PASSES = 2 * 6 + 4  # a rank's cold solve of its own tokens: `balanced_prices`' 6 updates and 4 more
+LOCAL_SOLVE_PASSES = 2 * MAX_ITERS + 4  # a rank's cold solve of its own tokens: `balanced_prices`' updates and 4 more
 
 
 def uses_global_base(cfg: LlamaConfig, lay: Layout) -> bool:

@@ -149,7 +149,7 @@ def test_prices_where_the_scores_have_no_finite_units():
     )
 
 
-@pytest.mark.parametrize("iters", [1, 2])
+@pytest.mark.parametrize("iters", [1, 3])
 def test_capped_price_updates_widen_the_margin(iters):
     """Price updates stopped at their cap (far from converged): the margin holds at least
     `CAPPED_SHARE` of the tokens, the result is still the single-process solver's, and the
@@ -157,7 +157,9 @@ def test_capped_price_updates_widen_the_margin(iters):
     sizes = [200 + 11 * i for i in range(8)]
     x = make_scores(7, sum(sizes), 16, "gauss", torch.float32)
     ref = same_order(balanced_assignment(x, 2))
-    out, prices, stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(8), max_price_iters=iters)
+    out, prices, stats = price_balanced_assignment(  # from zero prices: the local start would converge in 3
+        split(x, sizes), 2, ShardReduce(8), max_price_iters=iters, local_start=False
+    )
     assert stats.price_updates == iters
     assert stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
     assert torch.equal(same_order(torch.cat(out)), ref)
@@ -260,7 +262,7 @@ def test_a_stalled_warm_start_tries_the_local_start(k):
             return price_balanced_assignment(split(x, sizes), k, ShardReduce(len(sizes)), prices=prices)
 
     kept = set()
-    for seed in range(6):
+    for seed in range(8):
         x = make_scores(seed, sum(sizes), 16, "gauss")
         x[::8] = x[0]  # a tied group: no prices split it, so neither start's updates converge
         rng = float((x.amax(1) - x.amin(1)).amax())

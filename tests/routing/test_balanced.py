@@ -708,7 +708,7 @@ def test_balanced_prices_are_in_the_scores_units():
     scores[:, 2] += 0.4  # crowded: the pick drops tokens and the fill and cycles move them
     out, prices, _ = balanced_prices(scores, 2)
     assert torch.equal(out, balanced_assignment(scores, 2))
-    for c in (3.0, 1e-3):
+    for c in (3.0, 1e-3, 1e35, 1e-35):  # the last two: divided by their largest magnitude first
         out_c, prices_c, _ = balanced_prices(scores * c, 2)
         assert torch.equal(out_c, out)
         torch.testing.assert_close(prices_c, prices * c, rtol=1e-9, atol=1e-12 * c)

@@ -54,6 +54,7 @@ from .reference import balanced_assignment_ref
 __all__ = [
     "balanced_assignment",
     "balanced_assignment_approx",
+    "balanced_prices",
     "balanced_assignment_ref",
     "expert_capacities",
     "expert_capacities_list",

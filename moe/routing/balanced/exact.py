@@ -18,12 +18,14 @@ from .prices import _jacobi_prices, _prices
 from .small import SMALL, _HostPrices, host_finish, host_prices
 from .threads import solve_threads
 
+MAX_ITERS = 6  # the price updates of a solve by default (`balanced_assignment`, `balanced_prices`)
+
 
 def balanced_assignment(
     scores_TE: Tensor,
     k: int = 1,
     *,
-    max_iters: int = 6,
+    max_iters: int = MAX_ITERS,
     eps: float = 1e-6,
     max_cycles: int | None = None,
     extras: str = "best",
@@ -83,7 +85,7 @@ def balanced_prices(
     scores_TE: Tensor,
     k: int = 1,
     *,
-    max_iters: int = 6,
+    max_iters: int = MAX_ITERS,
     eps: float = 1e-6,
     max_cycles: int | None = None,
     extras: str = "best",
@@ -96,8 +98,10 @@ def balanced_prices(
     distances from zero.
 
     Returns (expert_idx (T, K), prices (E,) float64 in the scores' units with mean zero, or
-    None where there was no choice to make or every token's scores are all equal, certified:
-    False where the cycle budget ran out first; then the prices are the last search's)."""
+    None where there was no choice to make, where every token's scores are all equal, or where
+    the scores' range exceeds float64's (fp64 scores near 1e308: in their units the prices
+    would not be finite), certified: False where the cycle budget ran out first; then the
+    prices are the last search's)."""
     out, prices, done, _ = _balanced(scores_TE, k, max_iters, eps, max_cycles, extras, with_prices=True)
     return out, prices, done
 
