@@ -487,11 +487,11 @@ def _cancel(
     is_candidate = torch.zeros(num_tokens, dtype=torch.bool, device=s_ET.device).index_fill_(0, tok, True)
     band = max(band, 1e-3)
     applied = 0
-    first = None if start is None else _host(start.reshape(-1).to(s_ET.dtype)).copy()
+    first = None if start is None else _host(start.reshape(-1).to(s_ET.dtype))  # the searches only read it
     while True:
         extra = _host(torch.bincount(out_TK.flatten(), minlength=num_experts) > base).copy() if movable else None
         graph = _Graph(_host(s_ET.index_select(1, tok)), _host(out_TK.index_select(0, tok)), delta, extra)
-        done, n, dist = graph.cancel(max_cycles - applied, None if first is None else first.copy())
+        done, n, dist = graph.cancel(max_cycles - applied, first)
         applied += n
         out_TK[tok] = torch.from_numpy(graph.out).to(out_TK.device)
         prices = torch.from_numpy(dist).to(device=s_ET.device, dtype=s_ET.dtype)

@@ -141,7 +141,7 @@ def host_finish(
     while True:
         extra = np.bincount(out_T, minlength=num_experts) > caps.base if caps.movable else None
         graph = _Graph(s[:, tok], out[tok], delta, extra)
-        done, n, dist = graph.cancel(budget - applied, state.p.copy() if start else None)
+        done, n, dist = graph.cancel(budget - applied, state.p if start else None)  # read, not written
         applied += n
         out[tok] = graph.out
         if not done:
