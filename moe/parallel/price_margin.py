@@ -61,7 +61,8 @@ import torch
 from torch import Tensor
 
 from ..routing.balanced import _fill
-from ..routing.exchange import _Graph, held_mask, violations
+from ..routing.cycle_graph import _Graph
+from ..routing.exchange import held_mask, violations
 from .price_prices import pick
 from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
 

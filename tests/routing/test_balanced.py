@@ -765,8 +765,8 @@ def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
     group to b, as a scan of every group gives it, though a move rescans only the edges its
     positions held, and Bellman-Ford's edges (the holder's included) follow; the solve is the
     one that scans every edge of a touched expert."""
-    from moe.routing import exchange
-    from moe.routing.exchange import _Graph
+    from moe.routing import cycle_graph
+    from moe.routing.cycle_graph import _Graph
 
     refresh, apply = _Graph._refresh, _Graph._apply
     refreshes = []
@@ -794,7 +794,7 @@ def test_exchange_edges_stay_their_groups_largest_gains(k, extras):
         with (
             mock.patch.object(_Graph, "_refresh", counted),
             mock.patch.object(_Graph, "_apply", checked),
-            mock.patch.object(exchange, "SCAN_WHOLE", 0),  # the incremental edges at any size
+            mock.patch.object(cycle_graph, "SCAN_WHOLE", 0),  # the incremental edges at any size
         ):
             got = on_torch_ops(scores, k, max_iters=0, extras=extras)
         with mock.patch.object(_Graph, "_refresh", scans_all):

@@ -10,7 +10,7 @@ statistics of each expert's margins (a partition of its row) where the torch pat
 histogram, stopping once the pick under the prices fills every expert exactly. Such a pick is
 optimal as it stands: every token holds its best expert under the prices and every expert its
 load, so the pick meets the prices' bound (`assignment_bound`). Otherwise the fill, the
-exchange cycles (`exchange._Graph`) and the certificate follow as in `exact`, on numpy arrays,
+exchange cycles (`cycle_graph._Graph`) and the certificate follow as in `exact`, on numpy arrays,
 the certificate reading every token (a few microseconds at this size).
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..exchange import _Graph, fill_passes
+from ..cycle_graph import _Graph
+from ..exchange import fill_passes
 from .capacities import _Capacities
 from .pairs import _keep_best_host
 
