@@ -97,7 +97,7 @@ class _Margin:
     picks: list  # per shard: (slots (T, K), margin (T,)) under the agreed prices
     near: list  # per shard: (T,) bool, the tokens gathered
     mine: list  # per shard: (its tokens sent, their residual rows, their columns), a block per gather
-    s_res: Tensor  # (E, M) the gathered rows' scores, UNSENT where a row did not carry a column
+    s_res: Tensor  # (E, M) the gathered rows' scores (row-major (M, E) transposed), UNSENT where not carried
     graph: _Graph  # the exchange cycles on the gathered rows alone
     cancelled: tuple  # its search's (done, cycles applied, distances)
     extra: object  # the movable extra slots (extras="best"), or None
@@ -121,7 +121,7 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
     extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
     # the rows gathered so far: a wider band sends only the tokens it adds (the prices, and so
     # a token's row, stay), each gather a block in rank order after the ones before
-    s_res = torch.empty(num_experts, 0, dtype=lay.score)
+    s_res = torch.empty(0, num_experts, dtype=lay.score).T
     had = [torch.zeros_like(m, dtype=torch.bool) for _, m in picks]
     had_sizes = [0] * world
     mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
@@ -164,9 +164,10 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
                 lcs.append(lc)
                 at.append(torch.arange(first, first + lc.numel()))
                 gots.append(got)
-            s_res = torch.cat([s_res, unpack_rows(rows, lay, cols, keyed=False)[2]], 1)
+            s_res = _append(s_res, unpack_rows(rows, lay, cols, keyed=False)[2])
             had, had_sizes = near, m_sizes
         slots = torch.full((s_res.shape[1], k), -1, dtype=torch.int64)
+        graph = None  # the last band's graph: its gains go before the fill's passes
         try:
             _fill(s_res, slots, room, p.to(dtype).cpu())
         except RuntimeError as err:  # no completion with these fixed tokens: a wider band
@@ -184,7 +185,6 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         # certificate's prices rise from them only where a margin row's move needs it and few
         # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
         # thousand did)
-        graph = None  # a graph holds two copies of the rows' scores: the last one goes first
         graph = _graph(s_res, slots, delta, extra)
         cancelled = graph.cancel(budget, p.cpu().numpy().astype(s_res.numpy().dtype))
         short = None if last else _unsent_columns(s_res, torch.from_numpy(graph.out))
@@ -243,7 +243,7 @@ def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
         slots = torch.from_numpy(graph.out)
         if extra is not None:
             extra = graph.extra
-        graph = None  # its two copies of the rows' scores go before more rows come
+        graph = None  # its gains go before more rows come
         stats.cycles, stats.checks = applied, check + 1
         prices = torch.from_numpy(dist).to(torch.float64)
         if not done:
@@ -299,7 +299,7 @@ def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
             s_res[:, i] = torch.where(f == UNSENT, s_res[:, i], f)
         new = ~old
         slots = torch.cat([slots, new_slots[new]])
-        s_res = torch.cat([s_res, new_s[:, new]], 1)
+        s_res = _append(s_res, new_s[:, new])
         stats.margin_rows = ids.numel()
     _write(outs, ids, slots, starts, sizes, red)
     return outs, prices - prices.mean(), ok
@@ -333,9 +333,17 @@ def _near(
     return near, want
 
 
+def _append(s_res: Tensor, new_EN: Tensor) -> Tensor:
+    """The gathered rows' scores (E, M) with ``new`` (E, n) after them: (E, M + n), the
+    transpose of row-major (M + n, E) rows, as ``s_res`` is (`unpack_rows`)."""
+    return torch.cat([s_res.T, new_EN.T]).T
+
+
 def _graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
     """The exchange-cycle graph of the gathered rows, on copies of their slots and of the
-    movable extra slots (the search writes both)."""
+    movable extra slots (the search writes both). It reads the rows' scores in place: (E, M)
+    is the transpose of row-major rows (`_append`), the (M, E) the graph reads; nothing
+    writes them while it lives."""
     return _Graph(s_res.numpy(), slots_MK.numpy().copy(), delta, None if extra is None else extra.copy())
 
 

@@ -92,19 +92,21 @@ def pack_rows(
 
 
 def unpack_rows(rows: Tensor, lay: RowLayout, cols: int, keyed: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
-    """`pack_rows` back: the keys (n,) (None without), slots (n, K), scores (E, n), ``UNSENT`` where
-    a row carries no column."""
+    """`pack_rows` back: the keys (n,) (None without), slots (n, K), scores (E, n) (the transpose
+    of row-major (n, E)), ``UNSENT`` where a row carries no column."""
     at, n_named = lay.index.itemsize if keyed else 0, lay.named(cols) * lay.expert.itemsize
     keys = of_bytes(rows[:, :at], lay.index)[:, 0].long() if keyed else None
     named = of_bytes(rows[:, at : at + n_named], lay.expert).long()
     s = of_bytes(rows[:, at + n_named :], lay.score)
-    if cols < lay.num_experts:  # (E, n) at once: no (n, E) copy beside it
+    # (E, n) views of (n, E) rows, made at once: the rows append to the gathered ones (and the
+    # exchange graph reads them) without another copy
+    if cols < lay.num_experts:
         return (
             keys,
             named[:, : lay.k],
-            torch.full((lay.num_experts, rows.shape[0]), UNSENT, dtype=lay.score).scatter_(0, named.T, s.T),
+            torch.full((rows.shape[0], lay.num_experts), UNSENT, dtype=lay.score).scatter_(1, named, s).T,
         )
-    return keys, named[:, : lay.k], s.T.contiguous()
+    return keys, named[:, : lay.k], s.T
 
 
 def margin_row_bytes(total: int, num_experts: int, k: int, dtype) -> int:

@@ -34,6 +34,8 @@ from .cycle_graph import _Graph
 
 __all__ = ["cancel_cycles", "fill_passes", "held_mask", "keep_top_claims", "violations"]
 
+FILL_BLOCK = 1 << 21  # values of ``s - p`` a fill pass makes at a time (`fill_passes`)
+
 
 def held_mask(out_TK: Tensor, num_experts: int) -> Tensor:
     """(E, T) bool: which experts each token already holds (-1 slots hold nothing)."""
@@ -64,25 +66,37 @@ def fill_passes(s_EN: np.ndarray, out_NK: np.ndarray, deficit_E: np.ndarray, p_E
     """The greedy passes of `balanced._fill` on the host, over N short tokens, in place: each
     pass gives every short token its best expert with room that it does not hold (prices
     ``p``); an expert keeps its ``deficit`` claimants with the largest margins over their next
-    choice (ties: lowest token index). Stops when all are placed or a pass places nothing."""
-    num_experts, n = s_EN.shape
-    rows = np.arange(n)
-    a = s_EN.T - p_E[None]  # (N, E)
+    choice (ties: lowest token index). Stops when all are placed or a pass places nothing.
+    Reads ``s - p`` (numpy's promotion: float64 with float64 prices) ``FILL_BLOCK`` values at a
+    time: with a group's margin (millions of rows) the whole (N, E) of it and its masked copy
+    would hold several times the scores' own memory at once."""
+    num_experts = s_EN.shape[0]
+    rows_per = max(1, FILL_BLOCK // max(num_experts, 1))
     while True:
         short = (out_NK < 0).any(axis=1).nonzero()[0]
         if short.size == 0:
             return
-        held = np.zeros((short.size, num_experts + 1), dtype=bool)
-        held[np.arange(short.size)[:, None], out_NK[short]] = True  # -1 marks the extra column
-        allowed = ~held[:, :num_experts] & (deficit_E > 0)[None]
-        sub = np.where(allowed, a[short], -np.inf)
-        best = sub.argmax(axis=1)  # first maximal index on ties
-        top = sub[rows[: short.size], best]
-        sub[rows[: short.size], best] = -np.inf
+        allowed_E = deficit_E > 0
+        best = np.empty(short.size, dtype=np.int64)
+        top = np.empty(short.size, dtype=np.result_type(s_EN.dtype, p_E.dtype))
+        second = np.empty_like(top)
+        for r0 in range(0, short.size, rows_per):
+            tok = short[r0 : r0 + rows_per]
+            n = tok.size
+            held = np.zeros((n, num_experts + 1), dtype=bool)
+            held[np.arange(n)[:, None], out_NK[tok]] = True  # -1 marks the extra column
+            allowed = ~held[:, :num_experts] & allowed_E[None]
+            sub = np.where(allowed, s_EN[:, tok].T - p_E[None], -np.inf)
+            at = sub.argmax(axis=1)  # first maximal index on ties
+            rows = np.arange(n)
+            best[r0 : r0 + n] = at
+            top[r0 : r0 + n] = sub[rows, at]
+            sub[rows, at] = -np.inf
+            second[r0 : r0 + n] = sub.max(axis=1)
         ok = np.flatnonzero(np.isfinite(top))
         if ok.size == 0:
             return
-        margin = top[ok] - sub[ok].max(axis=1)  # inf when only one expert is allowed
+        margin = top[ok] - second[ok]  # inf when only one expert is allowed
         win = ok[keep_top_claims(best[ok], margin, deficit_E)]
         tok = short[win]
         out_NK[tok, (out_NK[tok] < 0).argmax(axis=1)] = best[win]

@@ -15,6 +15,7 @@ from moe.routing import (
     balanced_assignment,
     balanced_assignment_approx,
     balanced_assignment_ref,
+    exchange,
     expert_capacities,
     release_work_buffers,
 )
@@ -32,7 +33,7 @@ from moe.routing.balanced import (
 )
 from moe.routing.balanced import exact as exact_module
 from moe.routing.balanced.small import _top2_host
-from moe.routing.exchange import cancel_cycles
+from moe.routing.exchange import cancel_cycles, keep_top_claims
 
 KINDS = ("gauss", "int", "one_expert", "huge", "tiny", "equal")
 
@@ -513,6 +514,56 @@ def test_fill_exchanges_when_every_open_expert_is_held():
     out = torch.tensor([[0, -1], [1, 2], [1, 2]])
     _fill(scores.T.contiguous(), out, expert_capacities(3, 3, 2))
     check_feasible(out, 3, 3, 2)
+
+
+def _fill_passes_whole(s_EN, out_NK, deficit_E, p_E):
+    """The greedy passes over every short token at once, as one (N, E) array: the oracle of the
+    block-wise `fill_passes`."""
+    num_experts = s_EN.shape[0]
+    a = s_EN.T - p_E[None]
+    while True:
+        short = (out_NK < 0).any(axis=1).nonzero()[0]
+        if short.size == 0:
+            return
+        held = np.zeros((short.size, num_experts + 1), dtype=bool)
+        held[np.arange(short.size)[:, None], out_NK[short]] = True
+        sub = np.where(~held[:, :num_experts] & (deficit_E > 0)[None], a[short], -np.inf)
+        best = sub.argmax(axis=1)
+        rows = np.arange(short.size)
+        top = sub[rows, best]
+        sub[rows, best] = -np.inf
+        ok = np.flatnonzero(np.isfinite(top))
+        if ok.size == 0:
+            return
+        win = ok[keep_top_claims(best[ok], top[ok] - sub[ok].max(axis=1), deficit_E)]
+        tok = short[win]
+        out_NK[tok, (out_NK[tok] < 0).argmax(axis=1)] = best[win]
+        deficit_E -= np.bincount(best[win], minlength=num_experts)
+
+
+@given(
+    n=st.integers(1, 40), e=st.integers(2, 9), k=st.integers(1, 3), block=st.integers(1, 50),
+    ints=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_fill_passes_by_blocks_equal_the_whole_passes(n, e, k, block, ints, seed):
+    """The fill's passes read ``s - p`` a block of tokens at a time (at most ``FILL_BLOCK`` values):
+    the same slots and deficits as the passes over the whole (N, E) at once, float32 scores
+    against float64 prices as their float64 copy, ties (integer scores) included."""
+    k = min(k, e)
+    rng = np.random.default_rng(seed)
+    s = rng.integers(0, 3, (e, n)).astype(np.float32) if ints else rng.standard_normal((e, n)).astype(np.float32)
+    p = rng.standard_normal(e).round(1)
+    out = np.full((n, k), -1, dtype=np.int64)
+    for i in range(n):  # some tokens hold some experts already
+        held = rng.permutation(e)[: rng.integers(0, k + 1)]
+        out[i, : held.size] = held
+    deficit = np.full(e, -(-int((out < 0).sum()) // e) + 1) - rng.integers(0, 2, e)
+    want_out, want_def = out.copy(), deficit.copy()
+    _fill_passes_whole(s.astype(np.float64), want_out, want_def, p)
+    with mock.patch.object(exchange, "FILL_BLOCK", block):
+        exchange.fill_passes(s, out, deficit, p)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(deficit, want_def)
 
 
 def test_pair_margins_stay_lower_bounds_after_the_prices_move():

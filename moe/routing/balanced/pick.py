@@ -100,8 +100,14 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
             break
         deficit = cap - np.bincount(slots[slots >= 0], minlength=num_experts)
         sub = slots[short]
-        cols = torch.from_numpy(short).to(s_ET.device)
-        fill_passes(s_ET.index_select(1, cols).double().cpu().numpy(), sub, deficit, prices)
+        if short.size == s_ET.shape[1] and s_ET.device.type == "cpu":  # every token: no copy of the scores
+            s_short = s_ET.detach()
+        else:
+            s_short = s_ET.detach().index_select(1, torch.from_numpy(short).to(s_ET.device)).cpu()
+        if s_short.dtype not in (torch.float32, torch.float64):  # exact in float32, as in float64
+            s_short = s_short.float()
+        s_short = s_short.numpy()
+        fill_passes(s_short, sub, deficit, prices)  # float64 against the float64 prices, a block at a time
         slots[short] = sub
         stuck = np.flatnonzero((sub < 0).any(axis=1))
         if stuck.size:
