@@ -29,6 +29,8 @@ solve's total lies within the same tolerance of it. The gathered path's bytes ar
     python -m benchmarks.global_base --W 8 --T 4096 --E 64 --K 1 --scores training --steps 8
     python -m benchmarks.global_base --W 8 --T 4096 --run runs/base64 --replay-steps 25 400 --steps 2
     python -m benchmarks.global_base --W 1024 --T 8192 --run runs/base64 --replay-steps 400 --steps 2 --cold first
+    python -m benchmarks.global_base --W 1024 --T 8192 --run runs/base256 --replay-steps 400 --steps 2 --cold first \
+        --spill /var/tmp
 """
 
 from __future__ import annotations
@@ -86,13 +88,14 @@ def training_steps(world: int, tokens: int, experts: int, k: int, steps: int, se
         yield [s[: world * tokens] for s in seen]
 
 
-def run_steps(run_dir: str, world: int, tokens: int, replay: list[int] | None, batches: int):
+def run_steps(run_dir: str, world: int, tokens: int, replay: list[int] | None, batches: int, spill: str | None = None):
     """The scores every BASE layer of a `moe train` run routes, replayed from its checkpoints:
     per checkpoint (those at the steps in ``replay``, or all), its model's router inputs on
     ``batches`` consecutive batches of the run's data from that step on (W * T tokens each, in
     sequences of the run's length, the last one cut short where W * T is not a multiple of it;
     the run's own batches hold fewer). Yields (data step, ``run@<checkpoint step>``, layers):
-    `ReplayedLayers`, made one layer at a time as they are read."""
+    `ReplayedLayers`, made one layer at a time as they are read (``spill``: their scores in a
+    file under this folder, `ReplayedLayers`)."""
     from pathlib import Path
 
     from moe.models.llama import Llama
@@ -119,7 +122,7 @@ def run_steps(run_dir: str, world: int, tokens: int, replay: list[int] | None, b
         model.train()  # the router solves BASE only in training mode; no gradients are taken
         for b in range(batches):
             inputs, _ = corpus.batch(step + b, cfg.seed, seqs, cfg.seq_len)
-            yield step + b, f"run@{step}", ReplayedLayers(model, inputs, world * tokens)
+            yield step + b, f"run@{step}", ReplayedLayers(model, inputs, world * tokens, spill=spill)
         del model
 
 
@@ -136,12 +139,15 @@ class ReplayedLayers:
     BASE routing sees all N tokens at once.
     Each BASE layer routes by the assignment given to `use` before the next layer is read, or,
     where none is given, by its own single-process solve, as the model would. One batch's
-    hidden states (N, D) and one layer's scores are held at a time, never every layer's."""
+    hidden states (N, D) and one layer's scores are held at a time, never every layer's.
+    ``spill``: a folder where each layer's scores are held in a file (unlinked at once) mapped
+    into memory, so that the kernel can page them out while a solve holds its own copy of
+    them (at W = 1024, T = 8192, E = 256 they take 8.6 GB, and so does that copy)."""
 
-    def __init__(self, model, inputs: torch.Tensor, n: int, chunk: int = 64) -> None:
+    def __init__(self, model, inputs: torch.Tensor, n: int, chunk: int = 64, spill: str | None = None) -> None:
         if not 0 < n <= inputs.numel():
             raise ValueError(f"n must be in [1, {inputs.numel()}] (the tokens of inputs), got {n}")
-        self.model, self.chosen = model, None
+        self.model, self.chosen, self.spill = model, None, spill
         full, rest = divmod(n, inputs.shape[1])
         self.inputs = list(inputs[:full].split(chunk)) + ([inputs[full : full + 1, :rest]] if rest else [])
         self.sizes = [x.numel() for x in self.inputs]  # each chunk's tokens
@@ -182,7 +188,8 @@ class ReplayedLayers:
 
     def _scores(self, block, router, h):
         """The router's scores of every chunk of ``h``, in one (N, E) tensor, and its K and options."""
-        out = torch.empty(sum(self.sizes), router.config.num_experts)
+        shape = (sum(self.sizes), router.config.num_experts)
+        out = torch.empty(shape) if self.spill is None else mapped_file(self.spill, shape)
         rows, seen = iter(out.split(self.sizes)), {}
 
         def record(s, k, **options):
@@ -197,6 +204,22 @@ class ReplayedLayers:
                 except _Routed:
                     pass
         return out, seen["k"], seen["options"]
+
+
+def mapped_file(folder: str, shape: tuple[int, int]) -> torch.Tensor:
+    """A float32 tensor of ``shape`` whose memory is a new file in ``folder``, mapped shared
+    and unlinked at once (the mapping keeps it until the tensor goes): its pages can be
+    written back and dropped under memory pressure instead of held."""
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(dir=folder, suffix=".scores")
+    try:
+        os.ftruncate(fd, shape[0] * shape[1] * 4)
+        return torch.from_file(path, shared=True, size=shape[0] * shape[1], dtype=torch.float32).view(shape)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -270,7 +293,7 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
 def run(
     world: int, tokens: int, experts: int, k: int, scores: str, steps: int, check: bool, *,
     check_max_gb: float = 4.0, run_dir: str | None = None, replay: list[int] | None = None, on_solve=None,
-    cold: str = "every",
+    cold: str = "every", spill: str | None = None,
 ) -> list[dict]:  # fmt: skip
     """Every solve's figures. With ``check``, each objective is compared with the stacked
     single-process solve's where the stacked scores take at most ``check_max_gb`` (that solve
@@ -278,8 +301,9 @@ def run(
     ``scores="run"`` replays the checkpoints of the `moe train` run in ``run_dir``
     (``replay``: their steps, or all; ``steps`` batches each), whose model sets E and K.
     ``on_solve``, where given, is called with each solve's figures as it ends. ``cold``:
-    ``"every"`` step solved cold too, or only the ``"first"`` (`solve_steps`)."""
-    k, source = score_source(world, tokens, experts, k, scores, steps, run_dir, replay)
+    ``"every"`` step solved cold too, or only the ``"first"`` (`solve_steps`). ``spill``: a
+    replay's scores held in files there (`ReplayedLayers`)."""
+    k, source = score_source(world, tokens, experts, k, scores, steps, run_dir, replay, spill)
 
     def solve(x, start):
         parts = list(x.split(tokens))
@@ -303,14 +327,14 @@ def run(
 
 
 def score_source(world: int, tokens: int, experts: int, k: int, scores: str, steps: int,
-                 run_dir: str | None = None, replay: list[int] | None = None):  # fmt: skip
+                 run_dir: str | None = None, replay: list[int] | None = None, spill: str | None = None):  # fmt: skip
     """(K, the scores as (step, label, layers) in order): ``random``, ``training`` or ``run``
     (the checkpoints of the `moe train` run in ``run_dir``, whose model sets E and K)."""
     if scores == "random":
         return k, ((i, scores, x) for i, x in enumerate(random_steps(world, tokens, experts, steps)))
     if scores == "training":
         return k, ((i, scores, x) for i, x in enumerate(training_steps(world, tokens, experts, k, steps)))
-    return run_model_config(run_dir).moe.top_k, run_steps(run_dir, world, tokens, replay, steps)
+    return run_model_config(run_dir).moe.top_k, run_steps(run_dir, world, tokens, replay, steps, spill)
 
 
 def solve_steps(source, replayed: bool, solve, cold: str = "every"):
@@ -470,11 +494,17 @@ def main(argv=None) -> None:
     ap.add_argument("--cold", choices=("every", "first"), default="every",
                     help="solve every step cold as well as warm, or only the first (of each checkpoint with "
                     "--run): the cold calls of a large group take the longest")  # fmt: skip
+    ap.add_argument("--spill", metavar="DIR",
+                    help="with --run: hold each layer's scores in a file under DIR, mapped into memory "
+                    "(pages the kernel can drop while the solve holds its own copy)")  # fmt: skip
     args, scores = parse_score_args(ap, argv)
+    if args.spill and not args.run:
+        ap.error("--spill needs --run")
 
     def one(world, tokens, experts, k):
         return run(world, tokens, experts, k, scores, args.steps, args.check, check_max_gb=args.check_max_gb,
-                   run_dir=args.run, replay=args.replay_steps, on_solve=progress, cold=args.cold)  # fmt: skip
+                   run_dir=args.run, replay=args.replay_steps, on_solve=progress, cold=args.cold,
+                   spill=args.spill)  # fmt: skip
 
     grid(args, one, lambda rows: markdown(summary(rows)))
 

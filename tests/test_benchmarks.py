@@ -376,6 +376,11 @@ def test_global_base_replay_makes_each_layer_from_the_assignment_it_is_given(tmp
     with pytest.raises(ValueError, match="n must be in \\[1, 128\\]"):
         global_base.ReplayedLayers(model, inputs, 129)
     assert all(r.assign.__name__ == "balanced_assignment" for r in routers)  # its own solver again after each
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    mapped = list(global_base.ReplayedLayers(model, inputs, 128, spill=str(spill)))  # held in files there
+    assert all(str(x.untyped_storage().filename).startswith(str(spill)) for x in mapped)
+    assert all(torch.equal(a, b) for a, b in zip(mapped, own, strict=True)) and not any(spill.iterdir())  # unlinked
 
 
 def test_global_base_ranks_time_each_rank_over_gloo_on_the_simulated_solves():
