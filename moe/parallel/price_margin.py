@@ -27,7 +27,8 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    row on a column it did not carry, the rows cannot fill those experts on their own columns:
    the certificate's prices for them would fall far below the picks' and many fixed tokens
    fail. While more fixed tokens would fail against those prices than every band 4x would add
-   (one sum of 3 values), the margin grows, else the certificate takes the failing ones. It
+   (one sum of 3 values, with the margin's counts under each way it may grow: the way taken
+   needs no count of its own), the margin grows, else the certificate takes the failing ones. It
    grows by a pull on the experts short of rows where rows travel (W > 1) and that adds rows,
    but at most an eighth of what every band 4x would (`PULL_SHARE`), else by every band 2x
    (`GROW`; the test against 4x stands for the steps it may take; on one rank, where the band
@@ -126,22 +127,18 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
     had_sizes = [0] * world
     mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
     graph = None
+    # per shard: its tokens by margin (bin i: below edges[i], not below i - 1)
+    by_gap = [
+        torch.bincount(torch.bucketize(m, edges.to(m.device, m.dtype), right=True), minlength=GAP_BINS + 1)
+        for _, m in picks
+    ]
+    agreed = None  # the next band's margin and counts, summed with the last widening's counts
     while True:
-        last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
-        near, want = [], []  # the margin's tokens per shard, and the pulled expert each row carries
-        for s, (out, m) in zip(s_parts, picks, strict=True):
-            nr, w = _near(s, p1, out, m, band, pull)
-            near.append(nr if not last else torch.ones_like(nr))
-            want.append(w)
-        counts = []
-        for rank, (out, m), nr in zip(red.ranks, picks, near, strict=True):
-            c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
-            c.index_add_(0, out[~nr].flatten(), torch.ones_like(out[~nr].flatten()))
-            c[num_experts + rank] = int(nr.sum())
-            by_gap = torch.bucketize(m, edges.to(m.device, m.dtype), right=True)  # i: below edges[i], not below i-1
-            c[num_experts + world :] = torch.bincount(by_gap, minlength=GAP_BINS + 1)
-            counts.append(c)
-        summed = red.sum(counts).cpu()
+        if agreed is None:
+            last, near, want, counts = _margin_counts(s_parts, p1, picks, by_gap, band, pull, red)
+            summed = red.sum(counts).cpu()
+        else:
+            (last, near, want), summed, agreed = agreed[0], agreed[1], None
         room = cap.cpu() - summed[:num_experts]
         m_sizes = summed[num_experts : num_experts + world].tolist()
         if sum(m_sizes) < min_rows and not last:  # to the first edge with enough rows below it: one more count
@@ -195,18 +192,21 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         pulled = pull.clone()
         pulled[short] = torch.maximum(pull[short], band[short]) * 4
         q = torch.from_numpy(cancelled[2]).to(dtype)
-        fails, pull_adds, band_adds = _widen_counts(s_parts, p1, picks, near, band, pull, pulled, q, red, delta)
+        # a pull and finer steps only where rows travel: on one rank the band costs no bytes
+        ways = [(band * STEP, pull)] if world == 1 else [(band, pulled), (band * GROW, pull)]
+        (fails, pull_adds, band_adds), next_counts = _widen_counts(
+            s_parts, p1, picks, by_gap, near, band, pull, pulled, q, red, delta, ways
+        )
         if fails <= band_adds:  # the certificate takes them (as it would beside a pull that grows on)
             return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
-        # a pull and finer steps only where rows travel: on one rank (a local start's solve)
-        # the band costs no bytes, and the prices of the wider margin make the start the
-        # group's calls measured
         if world == 1:
-            band = band * STEP
+            way = 0
         elif 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all()):
-            pull = pulled
+            way = 0
         else:
-            band = band * GROW
+            way = 1
+        band, pull = ways[way]
+        agreed = next_counts[way]
 
 
 def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
@@ -347,18 +347,50 @@ def _graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
     return _Graph(s_res.numpy(), slots_MK.numpy().copy(), delta, None if extra is None else extra.copy())
 
 
-def _widen_counts(s_parts, p_E1, picks, near, band, pull, pulled, q_E: Tensor, red, delta: float) -> list:
-    """Over the group (one sum of 3 values): the fixed tokens that fail against the prices
-    ``q``, and the tokens the margin would add with the pull ``pulled``, or with every band 4x."""
-    counts = []
+def _margin_counts(s_parts, p_E1, picks, by_gap, band, pull, red):
+    """The margin under the bands ``band`` and the pull ``pull``: whether it is the whole
+    problem (every band past 4), its tokens per shard (T,) bool, the pulled expert each row
+    carries (`_near`), and each rank's counts to sum (E + W + 33 values: its fixed tokens'
+    loads, its margin rows, its tokens by margin, ``by_gap``)."""
+    num_experts, world = s_parts[0].shape[0], red.world
+    last = bool((band > 4.0).all())  # past 4 every token is at the margin: the whole problem
+    near, want, counts = [], [], []
+    for rank, s, (out, m), gaps in zip(red.ranks, s_parts, picks, by_gap, strict=True):
+        nr, w = _near(s, p_E1, out, m, band, pull)
+        nr = nr if not last else torch.ones_like(nr)
+        c = torch.zeros(num_experts + world + GAP_BINS + 1, dtype=torch.int64, device=out.device)
+        c.index_add_(0, out[~nr].flatten(), torch.ones_like(out[~nr].flatten()))
+        c[num_experts + rank] = int(nr.sum())
+        c[num_experts + world :] = gaps
+        near.append(nr)
+        want.append(w)
+        counts.append(c)
+    return last, near, want, counts
+
+
+def _widen_counts(s_parts, p_E1, picks, by_gap, near, band, pull, pulled, q_E: Tensor, red, delta: float, ways):
+    """Over the group, in one sum: the fixed tokens that fail against the prices ``q``, the
+    tokens the margin would add with the pull ``pulled``, or with every band 4x, and the
+    margin's counts (`_margin_counts`) under each of ``ways`` (band, pull), so that the one
+    taken needs no round of its own. Returns those three numbers and, per way, (its margin,
+    its summed counts)."""
+    counts, sides = [], []
     for s, (out, m), nr in zip(s_parts, picks, near, strict=True):
         local = (~nr).nonzero().flatten()
         fails = violations(s.index_select(1, local), q_E.to(s.device), out.index_select(0, local), delta).numel()
         n = int(nr.sum())
         by_pull = int(_near(s, p_E1, out, m, band, pulled)[0].sum()) - n
         by_band = int(_near(s, p_E1, out, m, band * STEP, pull)[0].sum()) - n
-        counts.append(torch.tensor([fails, by_pull, by_band], dtype=torch.int64, device=s.device))
-    return red.sum(counts).tolist()
+        counts.append([torch.tensor([fails, by_pull, by_band], dtype=torch.int64, device=s.device)])
+    for b, pl in ways:
+        side = _margin_counts(s_parts, p_E1, picks, by_gap, b, pl, red)
+        sides.append(side[:3])
+        for mine, c in zip(counts, side[3], strict=True):
+            mine.append(c)
+    summed = red.sum([torch.cat(c) for c in counts]).cpu()
+    width = summed.numel() - 3
+    each = width // max(len(ways), 1)
+    return summed[:3].tolist(), [(side, summed[3 + i * each : 3 + (i + 1) * each]) for i, side in enumerate(sides)]
 
 
 def _unsent_columns(s_res: Tensor, slots_MK: Tensor) -> Tensor:

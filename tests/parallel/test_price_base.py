@@ -485,10 +485,18 @@ def test_rows_that_cannot_fill_an_expert_on_their_own_columns_widen_the_band(k):
     """The room the fixed tokens leave on expert 0 only rows at a column they did not carry
     can fill. Left to the certificate, the cycles' price for it would fall far below the
     picks' and nearly every fixed token would fail (about 2000 of 2048 rows); the cycles on
-    the gathered rows see it first and the band grows until rows that carry it come."""
+    the gathered rows see it first and the band grows until rows that carry it come. The sum
+    that decides to grow carries the grown margin's counts under both ways it may grow, so
+    the rows it adds are gathered next, with no count of their own."""
     x, sizes, far = dear_expert(k)
     out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=far, max_price_iters=0)
     assert stats.margin_rows < sum(sizes) / 2, stats.margin_rows
+    widen = [
+        i
+        for i, (kind, n, _) in enumerate(stats.log)
+        if kind == "sum" and n == 3 + 2 * (64 + 8 + price_margin.GAP_BINS + 1)
+    ]
+    assert widen and all(stats.log[i + 1][0] == "gather" for i in widen), stats.log
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
 
 
@@ -589,7 +597,8 @@ def test_fewer_failing_fixed_tokens_than_a_wider_band_adds_go_to_the_certificate
     counts = price_margin._widen_counts
 
     def never_fewer(*a):  # every band always grows
-        return [2**62, 2**62, counts(*a)[2]]
+        three, ways = counts(*a)
+        return [2**62, 2**62, three[2]], ways
 
     with mock.patch.object(price_margin, "_widen_counts", never_fewer):
         _, _, grown = solve()

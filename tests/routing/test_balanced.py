@@ -566,6 +566,27 @@ def test_fill_passes_by_blocks_equal_the_whole_passes(n, e, k, block, ints, seed
     np.testing.assert_array_equal(deficit, want_def)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fill_reads_the_short_tokens_columns(dtype):
+    """`_fill` passes only the short tokens' scores to the passes (all of them, uncopied, when
+    every token is short), in any float dtype: the slots the whole passes give those columns."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(5, 60, generator=g).to(dtype)  # (E, T)
+    p = torch.randn(5, generator=g, dtype=torch.float64)
+    cap = expert_capacities(60, 5, 1)
+    for held in (30, 0):  # half the tokens already placed (by cycling experts), then none
+        out = torch.full((60, 1), -1, dtype=torch.int64)
+        out[:held, 0] = torch.arange(held) % 5
+        short = (out[:, 0] < 0).nonzero().flatten().numpy()
+        want = out.numpy().copy()
+        sub = want[short]
+        deficit = cap.numpy() - np.bincount(want[want >= 0], minlength=5)
+        _fill_passes_whole(scores.double().numpy()[:, short], sub, deficit, p.numpy())
+        want[short] = sub
+        _fill(scores, out, cap, p)
+        np.testing.assert_array_equal(out.numpy(), want)
+
+
 def test_pair_margins_stay_lower_bounds_after_the_prices_move():
     # The certificate trusts these margins. A pair left out under p0 was `width` below its
     # token's best; when its expert's price then falls by 0.9 width (within what the pairs

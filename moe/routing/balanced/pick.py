@@ -104,8 +104,8 @@ def _fill(s_ET: Tensor, out: Tensor, cap_E: Tensor, p: Tensor | None = None) -> 
             s_short = s_ET.detach()
         else:
             s_short = s_ET.detach().index_select(1, torch.from_numpy(short).to(s_ET.device)).cpu()
-        if s_short.dtype not in (torch.float32, torch.float64):  # exact in float32, as in float64
-            s_short = s_short.float()
+        if s_short.dtype not in (torch.float32, torch.float64):  # exact in float64
+            s_short = s_short.double()
         s_short = s_short.numpy()
         fill_passes(s_short, sub, deficit, prices)  # float64 against the float64 prices, a block at a time
         slots[short] = sub
