@@ -140,9 +140,10 @@ class ReplayedLayers:
     Each BASE layer routes by the assignment given to `use` before the next layer is read, or,
     where none is given, by its own single-process solve, as the model would. One batch's
     hidden states (N, D) and one layer's scores are held at a time, never every layer's.
-    ``spill``: a folder where each layer's scores are held in a file (unlinked at once) mapped
-    into memory, so that the kernel can page them out while a solve holds its own copy of
-    them (at W = 1024, T = 8192, E = 256 they take 8.6 GB, and so does that copy)."""
+    ``spill``: a folder where each layer's scores and the hidden states are held in files
+    (unlinked at once) mapped into memory, so that the kernel can page them out while a solve
+    holds its own copy of the scores (at W = 1024, T = 8192, E = 256 the scores take 8.6 GB,
+    and so does that copy; the hidden states 2.1 GB at the 256-expert run's D = 64)."""
 
     def __init__(self, model, inputs: torch.Tensor, n: int, chunk: int = 64, spill: str | None = None) -> None:
         if not 0 < n <= inputs.numel():
@@ -164,11 +165,11 @@ class ReplayedLayers:
             return
         last = max(i for i, r in enumerate(routers) if r is not None)  # no blocks after it are run
         with torch.no_grad():  # not around the yields: the reader's code keeps its own grad mode
-            h = [model.tok_embeddings(x) for x in self.inputs]
+            h = self._held(model.tok_embeddings(x) for x in self.inputs)
         for i, (block, router) in enumerate(zip(model.layers.values(), routers, strict=True)):
             if router is None:
                 with torch.no_grad():
-                    h = [block(x, model.rope) for x in h]
+                    h = self._held(block(x, model.rope) for x in h)
                 continue
             with torch.no_grad():
                 scores, k, options = self._scores(block, router, h)
@@ -184,7 +185,21 @@ class ReplayedLayers:
                 raise ValueError(f"use: the assignment must be (N, K) = ({n}, {k}), got {tuple(chosen.shape)}")
             rows = iter(chosen.split(self.sizes))
             with _assigning(router, lambda s, k, _rows=rows, **_: next(_rows)), torch.no_grad():
-                h = [block(x, model.rope) for x in h]
+                h = self._held(block(x, model.rope) for x in h)
+
+    def _held(self, chunks) -> list[torch.Tensor]:
+        """The hidden states of every chunk, as they are made: with ``spill``, each copied into
+        its place in one mapped file as it comes (so at most one chunk is held beside them)."""
+        if self.spill is None:
+            return list(chunks)
+        held, buf, at = [], None, 0
+        for x in chunks:
+            if buf is None:
+                buf = mapped_file(self.spill, (sum(self.sizes), x.shape[-1]))
+            rows = x.numel() // x.shape[-1]
+            held.append(buf[at : at + rows].view(x.shape).copy_(x))
+            at += rows
+        return held
 
     def _scores(self, block, router, h):
         """The router's scores of every chunk of ``h``, in one (N, E) tensor, and its K and options."""
@@ -495,8 +510,8 @@ def main(argv=None) -> None:
                     help="solve every step cold as well as warm, or only the first (of each checkpoint with "
                     "--run): the cold calls of a large group take the longest")  # fmt: skip
     ap.add_argument("--spill", metavar="DIR",
-                    help="with --run: hold each layer's scores in a file under DIR, mapped into memory "
-                    "(pages the kernel can drop while the solve holds its own copy)")  # fmt: skip
+                    help="with --run: hold each layer's scores and the hidden states in files under DIR, mapped "
+                    "into memory (pages the kernel can drop while the solve holds its own copy)")  # fmt: skip
     args, scores = parse_score_args(ap, argv)
     if args.spill and not args.run:
         ap.error("--spill needs --run")
