@@ -199,12 +199,8 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         )
         if fails <= band_adds:  # the certificate takes them (as it would beside a pull that grows on)
             return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
-        if world == 1:
-            way = 0
-        elif 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all()):
-            way = 0
-        else:
-            way = 1
+        pulls = world > 1 and 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all())
+        way = 0 if world == 1 or pulls else 1
         band, pull = ways[way]
         agreed = next_counts[way]
 
@@ -373,24 +369,23 @@ def _widen_counts(s_parts, p_E1, picks, by_gap, near, band, pull, pulled, q_E: T
     tokens the margin would add with the pull ``pulled``, or with every band 4x, and the
     margin's counts (`_margin_counts`) under each of ``ways`` (band, pull), so that the one
     taken needs no round of its own. Returns those three numbers and, per way, (its margin,
-    its summed counts)."""
-    counts, sides = [], []
-    for s, (out, m), nr in zip(s_parts, picks, near, strict=True):
+    its summed counts). Where rows travel the first way is the pull (``_gather_margin``),
+    whose margin gives the tokens it adds."""
+    sides = [_margin_counts(s_parts, p_E1, picks, by_gap, b, pl, red) for b, pl in ways]
+    counts = []
+    for i, (s, (out, m), nr) in enumerate(zip(s_parts, picks, near, strict=True)):
         local = (~nr).nonzero().flatten()
         fails = violations(s.index_select(1, local), q_E.to(s.device), out.index_select(0, local), delta).numel()
         n = int(nr.sum())
-        by_pull = int(_near(s, p_E1, out, m, band, pulled)[0].sum()) - n
+        # the pull's margin (not the whole problem: the bands that led here are not all past 4)
+        pulled_near = sides[0][1][i] if red.world > 1 else _near(s, p_E1, out, m, band, pulled)[0]
+        by_pull = int(pulled_near.sum()) - n
         by_band = int(_near(s, p_E1, out, m, band * STEP, pull)[0].sum()) - n
-        counts.append([torch.tensor([fails, by_pull, by_band], dtype=torch.int64, device=s.device)])
-    for b, pl in ways:
-        side = _margin_counts(s_parts, p_E1, picks, by_gap, b, pl, red)
-        sides.append(side[:3])
-        for mine, c in zip(counts, side[3], strict=True):
-            mine.append(c)
-    summed = red.sum([torch.cat(c) for c in counts]).cpu()
-    width = summed.numel() - 3
-    each = width // max(len(ways), 1)
-    return summed[:3].tolist(), [(side, summed[3 + i * each : 3 + (i + 1) * each]) for i, side in enumerate(sides)]
+        three = torch.tensor([fails, by_pull, by_band], dtype=torch.int64, device=s.device)
+        counts.append(torch.cat([three] + [side[3][i] for side in sides]))
+    summed = red.sum(counts).cpu()
+    each = (summed.numel() - 3) // len(ways)  # E + W + 33 values a way
+    return summed[:3].tolist(), [(side[:3], summed[3 + w * each : 3 + (w + 1) * each]) for w, side in enumerate(sides)]
 
 
 def _unsent_columns(s_res: Tensor, slots_MK: Tensor) -> Tensor:
