@@ -46,6 +46,7 @@ import torch
 
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.price_margin import GAP_BINS
+from moe.parallel.price_prices import BINS
 from moe.parallel.reduction import ShardReduce
 from moe.routing.balanced import assignment_bound, assignment_score, balanced_assignment
 
@@ -275,8 +276,8 @@ def _record_assign(model) -> list[torch.Tensor]:
 
 def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> dict[str, int]:
     """Where one solve's bytes went, from its collectives (kind, values received, bytes) in the
-    order they ran: the header (its maxima), the gather of the local start (cold calls, and a
-    warm call's after its updates stalled), the prices (the updates' sums, the pair rounds'
+    order they ran: the header (its maxima), the local start (a cold call's gather; the W x E
+    values a warm call's first update carries), the prices (the updates' sums, the pair rounds'
     counts and their agreeing max), the margin's
     counts and rows (from its first count of E + W + 33 values, every band's), the
     certificate's counts and rows (from its first count of 2W values; where 2W = E + W + 33 its
@@ -289,10 +290,12 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
             phase = "start"
         if phase == "start":
             phase = "prices"
-        if (
-            phase == "prices" and kind == "gather"
-        ):  # the local start's: a cold call's, or a warm call's after its updates stalled
+        if phase == "prices" and kind == "gather":  # a cold call's local start
             out["start"] += size
+            continue
+        if phase == "prices" and kind == "sum" and values == experts * (BINS + 2) + world * experts:
+            out["start"] += world * experts * size // values  # a warm call's, on its first update
+            out["prices"] += experts * (BINS + 2) * size // values
             continue
         if phase == "prices" and kind == "sum" and values == margin_count:
             phase = "margin"

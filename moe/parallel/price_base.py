@@ -19,17 +19,19 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    E slots in all, or at most 40 updates from zero prices and 20 from given ones, a previous
    call's or the local start's (`PRICE_ITERS`); from given ones, also once two updates have
    taken less than a fifth off the miss (stalled: a trained router's scores, where each
-   further update buys little and costs a round). Where a previous call's prices stall or
-   reach their cap and the local start's gather and updates cost less than the eighth of the
-   tokens the margin would otherwise hold (`price_prices.local_start_pays`), the local start
-   runs too, and the solve keeps whichever prices leave the loads' smaller miss as last
-   measured (at the prices where the updates stopped early, one move before them where they
-   reached their cap; each run's last move goes with its prices as the band): a previous
-   call's prices are the optimum of other tokens, and on a trained router's scores they can
-   sit further from this call's than the ranks' own solves of it. Where the kept (or a local
-   start's own) updates stall or reach their cap, 3 pair rounds follow
+   further update buys little and costs a round). A warm call runs the local start too, without
+   a round of its own: every rank's prices for its own tokens ride on the first update's sum
+   (W x E more values, each rank's row at its place and zeros elsewhere, so the sum is every
+   row; that sum in float64), and a chain of updates from their median runs beside the given
+   prices' from the second update on, its counts in the same sums. The updates end once the
+   chain whose loads miss least as last measured has stopped (at its prices where it stopped
+   early, one move before them where it reached its cap), and the solve keeps its prices, with
+   its last move as the band: a previous call's prices are the optimum of other tokens, and on
+   a trained router's scores they can sit further from this call's than the ranks' own solves
+   of it. Where the kept updates stall or reach their cap, 3 pair rounds follow
    (`price_prices.pair_prices`) when their E x E x 4 int32 counts (and their 5 rounds, at
-   ``round_bytes`` each where given) cost less than that eighth: the tokens counted by the
+   ``round_bytes`` each where given) cost less than the eighth of the tokens the margin would
+   otherwise hold: the tokens counted by the
    pair of experts they stand between and their margin, from which every rank moves the
    prices alike; one max of the prices and the last move then agrees on their bits, and one
    sum of the loads checks them: where the loads miss by more than before, they run again
@@ -67,7 +69,7 @@ from torch import Tensor
 from ..routing.balanced import _Capacities, _check, _check_extras, _jitter_pattern, _sub_transposed, balanced_prices
 from ..routing.config import check_float
 from .price_margin import solve_margin
-from .price_prices import capacities, jacobi_prices, local_start_pays, pair_prices, pair_rounds_pay
+from .price_prices import capacities, jacobi_prices, pair_prices, pair_rounds_pay
 from .price_rows import margin_row_bytes
 from .reduction import Reduction
 
@@ -90,6 +92,7 @@ class PriceStats:
     price_updates: int = 0  # collectives that moved the prices: Jacobi updates, pair rounds and their max
     cycles: int = 0
     checks: int = 0  # certificate rounds
+    start: str = "zero"  # the prices the updates kept: "given" (a previous call's), "local" or "zero"
     log: list = field(default_factory=list)
 
 
@@ -195,8 +198,8 @@ def price_balanced_assignment(
         local_start: without ``prices`` and on more than one rank, start from the per-expert
             median of every rank's prices for its own tokens alone (`_local_start`: one gather
             of W x E float32, and a solve of the local tokens); False: from zero prices. With
-            ``prices`` whose updates stall or reach their cap, on more than one rank, where
-            `price_prices.local_start_pays`, the local start is tried as well (above).
+            ``prices``, on more than one rank, the local start rides on the first update and
+            its updates run beside the given prices' (above); False: the given prices alone.
         round_bytes: what one more round of collectives costs, as the bytes a rank receives in
             the time of its latency (e.g. 50 us at 25 GB/s: 1.25e6); the pair rounds run only
             where their bytes and rounds at this price cost less than the wide margin they
@@ -229,37 +232,23 @@ def price_balanced_assignment(
         # float64's range, fp64 scores spanning it: prices in their units would not be finite)
         units_ok = 0 < unit < float("inf")
         start = prices.to(torch.float64) / unit if prices is not None and units_ok else None
-        if prices is None and units_ok and local_start and red.world > 1:
+        wants_local = units_ok and local_start and red.world > 1
+        if wants_local and prices is None:
             start = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)
         if max_price_iters is None:
             max_price_iters = PRICE_ITERS[start is not None]
-        p, stats.price_updates, width, converged, miss = jacobi_prices(
-            s_parts, caps, k, red, start, max_iters=max_price_iters, tol=num_experts
+        late = None  # a warm call's local start: it rides on the first update and joins the second
+        if wants_local and prices is not None and max_price_iters > 0:
+            late = _local_rows(parts_TE, k, red, extras, eps, unit, max_cycles), _median
+        p, stats.price_updates, width, converged, _, which = jacobi_prices(
+            s_parts, caps, k, red, [start], max_iters=max_price_iters, tol=num_experts, late=late
         )
+        given = prices is not None and start is not None
+        stats.start = "zero" if start is None else "given" if given and which == 0 else "local"
         row = margin_row_bytes(total, num_experts, k, dtype)
         spared = CAPPED_SHARE * total * row  # what a margin of the capped eighth would send
         if (
-            prices is not None
-            and start is not None
-            and not converged
-            and max_price_iters > 0
-            and local_start
-            and red.world > 1
-            and local_start_pays(red.world, num_experts, max_price_iters, spared, round_bytes)
-        ):
-            # a previous call's prices stalled or reached their cap: the local start too, and
-            # whichever prices leave the loads' smaller miss (on a trained router's scores the
-            # previous batch's optimum can sit further from this one's than the ranks' own solves)
-            local = _local_start(parts_TE, k, red, extras, eps, unit, max_cycles)
-            if local is not None:
-                q, n, q_width, q_converged, q_miss = jacobi_prices(
-                    s_parts, caps, k, red, local, max_iters=max_price_iters, tol=num_experts
-                )
-                stats.price_updates += n
-                if q_miss < miss:  # both measured: max_price_iters > 0
-                    p, width, converged = q, q_width, q_converged
-        if (
-            start is not None
+            stats.start != "zero"
             and not converged
             and max_price_iters > 0
             and pair_rounds_pay(num_experts, spared, round_bytes)
@@ -290,27 +279,52 @@ def price_balanced_assignment(
     return [o.clone() for o in out], p_out, _finish(stats, red, rounds0, values0, bytes0)
 
 
-def _local_start(
-    parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float, max_cycles: int | None = None
-):
-    """Prices to start a call without a previous one from (E,) float64 in the normalised units,
-    or None: every rank solves its own tokens alone, exactly (the single-process solver's
-    certified prices, `balanced_prices`: no collective), and one gather of their prices (W x E
-    float32, NaN from a rank with nothing to solve) gives every rank the same per-expert
-    median. The median, not the mean: one rank whose tokens crowd onto an expert would move
-    that expert's start far off (docs/parallel.md, "Local start")."""
-    num_experts = parts_TE[0].shape[1]
-    rows = []
+def _local_prices(parts_TE: list[Tensor], k: int, extras: str, eps: float, unit: float, max_cycles: int | None):
+    """Per shard, its own tokens' prices (E,) float64 in the normalised units, rounded to
+    float32 (what travels), NaN where it has nothing to solve: every rank solves its own tokens
+    alone, exactly (the single-process solver's certified prices, `balanced_prices`: no
+    collective)."""
+    out = []
     for scores in parts_TE:
         mine = None
         if scores.shape[0]:  # a start only: a capped local solve changes nothing
             _, mine, _ = balanced_prices(scores, k, extras=extras, eps=eps, max_cycles=max_cycles)
         if mine is None:
-            mine = torch.full((num_experts,), float("nan"), dtype=torch.float64)
+            mine = torch.full((scores.shape[1],), float("nan"), dtype=torch.float64)
         # in the group's normalised units before float32: fp64 scores beyond its range stay finite
-        rows.append((mine / unit).to(scores.device, torch.float32)[None])
-    agreed = torch.nanmedian(red.gather(rows, [1] * red.world).cpu().to(torch.float64), dim=0).values
+        out.append((mine / unit).to(scores.device, torch.float32))
+    return out
+
+
+def _median(rows_WE: Tensor) -> Tensor | None:
+    """The per-expert median of every rank's prices (W, E), NaN rows left out, float64; None
+    where no rank had any."""
+    agreed = torch.nanmedian(rows_WE.cpu().to(torch.float64), dim=0).values
     return agreed if bool(agreed.isfinite().all()) else None
+
+
+def _local_start(
+    parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float, max_cycles: int | None = None
+):
+    """Prices to start a call without a previous one from (E,) float64 in the normalised units,
+    or None: one gather of every rank's own prices (`_local_prices`, W x E float32) gives every
+    rank the same per-expert median. The median, not the mean: one rank whose tokens crowd onto
+    an expert would move that expert's start far off (docs/parallel.md, "Local start")."""
+    rows = [r[None] for r in _local_prices(parts_TE, k, extras, eps, unit, max_cycles)]
+    return _median(red.gather(rows, [1] * red.world))
+
+
+def _local_rows(parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float, max_cycles):
+    """The same prices as `_local_start`'s gather would bring, made to travel in a sum: per
+    shard a (W x E,) float64 block holding its own row at its rank and zeros elsewhere, so the
+    sum is every rank's row, exactly (one term each). A warm call adds it to its first price
+    update's sum (`price_prices.jacobi_prices`' ``late``) instead of a round of its own."""
+    blocks = []
+    for rank, mine in zip(red.ranks, _local_prices(parts_TE, k, extras, eps, unit, max_cycles), strict=True):
+        block = torch.zeros(red.world, mine.numel(), dtype=torch.float64, device=mine.device)
+        block[rank] = mine
+        blocks.append(block.flatten())
+    return blocks
 
 
 def _finish(stats, red, rounds0, values0, bytes0) -> PriceStats:

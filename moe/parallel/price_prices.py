@@ -18,6 +18,8 @@ they stand between instead, which sees how one expert's move pulls on another's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -78,45 +80,103 @@ def _crossing(counts_EB: Tensor, cap_E: Tensor, top_E: Tensor, h_E: Tensor) -> T
     return torch.where(inside, within, q)
 
 
-def jacobi_prices(
-    s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor | None, *, max_iters: int, tol: int
-) -> tuple[Tensor, int, float, bool, int | None]:
-    """Damped Jacobi prices over every rank's tokens, from ``p`` (None: zeros, a cold start).
+class _Chain:
+    """One sequence of price updates (`jacobi_prices`): its prices, window, last move, the
+    loads' miss after each of its updates, and why it stopped (None: running)."""
 
-    Stops once the loads under the prices miss the capacities by at most ``tol`` slots in all
-    (converged), after ``max_iters`` updates, or once two updates have taken less than
-    ``1 - STALL`` off the miss (stalled: on a trained router's scores the miss then falls a few
-    percent an update, and each update is a round). Returns the prices (E,) float64 (the same
-    on every rank: they follow from summed integer counts), the updates run, the last move
-    (what the prices are known to within, roughly), whether they converged, and the loads'
-    last measured miss in slots (at the returned prices where the updates stopped early, at
-    the ones before the last move where they reached ``max_iters``; None where none ran)."""
+    def __init__(self, p_E: Tensor | None, num_experts: int, device) -> None:
+        self.cold = p_E is None
+        zeros = torch.zeros(num_experts, dtype=torch.float64, device=device)
+        self.p = zeros if self.cold else p_E.to(device, torch.float64)
+        self.width, self.step = (COLD_WIDTH if self.cold else WARM_WIDTH), 0.0
+        self.misses: list[int] = []
+        self.stop: str | None = None  # "converged", "stalled" or "capped"
+
+    def counts(self, s_ET: Tensor, k: int) -> Tensor:
+        """This shard's histogram (E, B + 2) at the chain's prices and window."""
+        w = torch.full((self.p.shape[0],), self.width, dtype=torch.float64, device=self.p.device)
+        self.top, self.h = self.p + w, 2 * w / BINS
+        dtype = s_ET.dtype
+        return _histogram(thresholds(s_ET, self.p.to(dtype)[:, None], k), self.top.to(dtype)[:, None],
+                          self.h.to(dtype)[:, None])  # fmt: skip
+
+    def update(self, counts_EB: Tensor, caps: _Capacities, tol: int) -> bool:
+        """The summed counts: measure the miss, stop or move. Whether it moved."""
+        cap_E = capacities(caps, self.p)
+        loads = counts_EB[:, : BINS // 2 + 1].sum(1)  # thresholds above p: the tokens that pick e now
+        self.misses.append(int((loads - cap_E).abs().sum()))
+        if self.misses[-1] <= tol:
+            self.stop = "converged"
+        elif not self.cold and len(self.misses) >= 3 and self.misses[-1] > STALL * self.misses[-3]:
+            self.stop = "stalled"
+        if self.stop:
+            return False
+        move = OMEGA * (_crossing(counts_EB, cap_E, self.top, self.h) - self.p)
+        self.p = self.p + move
+        self.step = float(move.abs().max())
+        self.width = min(COLD_WIDTH, max(4 * self.step, 1e-6))
+        return True
+
+
+def _leader(chains: list[_Chain]) -> _Chain:
+    """The chain whose loads missed least when last measured (the first on a tie)."""
+    return min(chains, key=lambda c: c.misses[-1] if c.misses else float("inf"))
+
+
+def jacobi_prices(
+    s_parts: list[Tensor],
+    caps: _Capacities,
+    k: int,
+    red: Reduction,
+    starts: list,
+    *,
+    max_iters: int,
+    tol: int,
+    late: tuple[list[Tensor], Callable[[Tensor], Tensor | None]] | None = None,
+) -> tuple[Tensor, int, float, bool, int | None, int]:
+    """Damped Jacobi prices over every rank's tokens, from each of ``starts`` (prices (E,), or
+    None: zeros, a cold start) in the same collectives: one sum per update carries every
+    running chain's counts. ``late``: (per shard a float64 tensor, a function of their sum
+    giving prices or None): summed with the first update's counts (that sum then in float64,
+    exact for counts), and the prices it gives start one more chain from the second update.
+
+    A chain stops once the loads under its prices miss the capacities by at most ``tol`` slots
+    in all (converged), after ``max_iters`` updates, or, from given prices, once two updates
+    have taken less than ``1 - STALL`` off its miss (stalled: on a trained router's scores the
+    miss then falls a few percent an update, and each update is a round). The updates end once
+    the chain whose loads miss least (the leader) has stopped: another one would first have to
+    overtake it, a round at a time. Returns the leader's prices (E,) float64 (the same on every
+    rank: they follow from summed integer counts), the updates run (collectives after which a
+    chain moved), its last move (what the prices are known to within, roughly), whether they
+    converged, and its loads' last measured miss in slots (at the returned prices where it
+    stopped early, at the ones before its last move where it reached ``max_iters``; None where
+    no update ran), and which of ``starts`` it came from."""
     num_experts = s_parts[0].shape[0]
-    device = s_parts[0].device
-    dtype = s_parts[0].dtype
-    cold = p_E is None
-    p = torch.zeros(num_experts, dtype=torch.float64, device=device) if cold else p_E.to(device, torch.float64)
-    width, step = (COLD_WIDTH if cold else WARM_WIDTH), 0.0
-    misses = []  # the loads' miss after each update
-    for it in range(max_iters):
-        w = torch.full((num_experts,), width, dtype=torch.float64, device=device)
-        top, h = p + w, 2 * w / BINS
-        p1 = p.to(dtype)[:, None]
-        top1, h1 = top.to(dtype)[:, None], h.to(dtype)[:, None]
-        counts = red.sum([_histogram(thresholds(s, p1, k), top1, h1) for s in s_parts]).long()
-        cap_E = capacities(caps, p)
-        loads = counts[:, : BINS // 2 + 1].sum(1)  # thresholds above p: the tokens that pick e now
-        misses.append(int((loads - cap_E).abs().sum()))
-        if misses[-1] <= tol:
-            return p, it, step, True, misses[-1]
-        if not cold and it >= 2 and misses[-1] > STALL * misses[-3]:
-            return p, it, step, False, misses[-1]
-        q = _crossing(counts, cap_E, top, h)
-        move = OMEGA * (q - p)
-        p = p + move
-        step = float(move.abs().max())
-        width = min(COLD_WIDTH, max(4 * step, 1e-6))
-    return p, max_iters, step, False, misses[-1] if misses else None
+    chains = [_Chain(p, num_experts, s_parts[0].device) for p in starts]
+    moved = 0
+    for _ in range(max_iters):
+        running = [c for c in chains if c.stop is None]
+        parts = [torch.cat([c.counts(s, k) for c in running]).flatten() for s in s_parts]
+        if late is not None:
+            parts = [torch.cat([c.double(), x.to(c.device)]) for c, x in zip(parts, late[0], strict=True)]
+        summed = red.sum(parts)
+        n = len(running) * num_experts * (BINS + 2)
+        counts = summed[:n].long().view(-1, BINS + 2)
+        if sum([c.update(m, caps, tol) for c, m in zip(running, counts.split(num_experts), strict=True)]):
+            moved += 1
+        if late is not None:
+            p_late = late[1](summed[n:].view(red.world, num_experts))
+            late = None
+            if p_late is not None:
+                chains.append(_Chain(p_late, num_experts, s_parts[0].device))
+        if _leader(chains).stop is not None:
+            break
+    else:
+        for c in chains:
+            c.stop = c.stop or "capped"
+    best = _leader(chains)
+    miss = best.misses[-1] if best.misses else None
+    return best.p, moved, best.step, best.stop == "converged", miss, chains.index(best)
 
 
 # Where the Jacobi updates stall (a trained router: many experts within a hair of each other
@@ -143,17 +203,6 @@ def pair_rounds_pay(num_experts: int, spared_bytes: float, round_bytes: float = 
     latency as the bytes the link moves meanwhile; 0 weighs the bytes alone). The solver and
     the planner decide by this one rule."""
     return pair_bytes(num_experts) + (PAIR_ROUNDS + 2) * round_bytes < spared_bytes
-
-
-def local_start_pays(world: int, num_experts: int, updates: int, spared_bytes: float, round_bytes: float = 0.0) -> bool:
-    """Whether trying the local start after stalled or capped warm updates (before any pair
-    rounds) costs less than the margin bytes at stake (``spared_bytes``): its
-    gather of W x E float32 and up to ``updates`` more updates of E x (`BINS` + 2) int32, with
-    their 1 + ``updates`` collectives at ``round_bytes`` each; bytes and rounds only, not the
-    ranks' own solves (as `pair_rounds_pay`, a collective's buffer counted once). The solver
-    and the planner decide by this one rule."""
-    cost = world * num_experts * 4 + updates * num_experts * (BINS + 2) * 4 + (1 + updates) * round_bytes
-    return cost < spared_bytes
 
 
 def pair_counts(s_ET: Tensor, p_E1: Tensor, k: int, window: float) -> Tensor:

@@ -20,13 +20,14 @@ This model is of separated (random) scores by default. A trained router's scores
 counts (and their 5 more rounds, at the router config's ``base_round_bytes`` each) cost less
 than the eighth of the tokens the margin would otherwise hold, the solver's own rule
 (`price_prices.pair_rounds_pay`); docs/scale.md costs that case with the replay's measured
-updates and margin. Before them a stalled warm solve also tries the local start (`restarts`)
-where its gather and up to `price_base.PRICE_ITERS` [1] more updates cost less than that
-eighth (`price_prices.local_start_pays`, called as the solver calls it): costed as
-its gather, `PRICE_UPDATES` more updates and their rounds, and the rank's cold solve of its
-own tokens by the single-process solver (`moe.routing.balanced.balanced_prices`) as
-`LOCAL_SOLVE_PASSES` passes over its scores (its price updates, the normalisation, the pick,
-the fill and the check; its exchange cycles are not counted). A lower bound: on tie-heavy
+updates and margin. Every warm solve (the steady state modelled here) also carries each
+rank's prices for its own tokens on its first update's sum (W x E float64 more in it, and that
+sum in float64: no round of its own), and a chain of updates from their median runs beside the
+given prices' in the same sums (`local_start_bytes`: costed as `PRICE_UPDATES` more counts),
+and each rank solves its own tokens by the single-process solver
+(`moe.routing.balanced.balanced_prices`), counted as `LOCAL_SOLVE_PASSES` passes over its
+scores (its price updates, the normalisation, the pick, the fill and the check; its exchange
+cycles are not counted), and two passes per update for its chain. A lower bound: on tie-heavy
 scores, where the pick drops over 1% of the slots, up to three more rounds of updates run
 (up to 2 x 24 + 4 passes).
 """
@@ -36,8 +37,8 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import LlamaConfig
-from ..parallel.price_base import CAPPED_SHARE, PRICE_ITERS
-from ..parallel.price_prices import PAIR_ROUNDS, local_start_pays, pair_bytes, pair_rounds_pay
+from ..parallel.price_base import CAPPED_SHARE
+from ..parallel.price_prices import BINS, PAIR_ROUNDS, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import margin_row_bytes
 from ..routing.balanced.exact import MAX_ITERS
 from .layout import Layout
@@ -48,8 +49,8 @@ __all__ = [
     "STALLED",
     "global_base_bytes",
     "global_base_s",
+    "local_start_bytes",
     "pair_rounds",
-    "restarts",
     "uses_global_base",
 ]
 
@@ -86,15 +87,13 @@ def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
     return pair_rounds_pay(cfg.moe.num_experts, spared, cfg.moe.router_config().base_round_bytes)
 
 
-def restarts(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
-    """Whether a stalled solve also runs the local start: its gather and updates cost less than
-    the eighth of the tokens at the margin, at the router config's ``base_round_bytes`` a round
-    (`price_base.price_balanced_assignment`); the pair rounds may follow it."""
-    if not STALLED:
-        return False
-    spared = CAPPED_SHARE * lay.ep * tokens * _row(cfg, lay, tokens)
-    round_bytes = cfg.moe.router_config().base_round_bytes
-    return local_start_pays(lay.ep, cfg.moe.num_experts, PRICE_ITERS[1], spared, round_bytes)
+def local_start_bytes(W: int, E: int) -> float:
+    """Bytes the local start adds to a warm solve: every rank's prices (W x E float64) and the
+    first update's counts again (that sum goes in float64), then its chain's counts beside the
+    given prices' for `PRICE_UPDATES` updates, all in all-reduces."""
+    reduce = 2 * (W - 1) / W
+    counts = (BINS + 2) * E * 4
+    return reduce * (W * E * 8 + counts + PRICE_UPDATES * counts)
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
@@ -102,7 +101,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     W, E = lay.ep, cfg.moe.num_experts
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
     header = reduce * (8 + 3 * W) * 8
-    prices = PRICE_UPDATES * reduce * 18 * E * 4
+    prices = PRICE_UPDATES * reduce * (BINS + 2) * E * 4
     pairs = pair_rounds(cfg, lay, tokens)
     pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)
     counts = reduce * (E + W + 33) * 8
@@ -111,14 +110,13 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
         share = max(share, CAPPED_SHARE)
     rows = max(share * W * tokens, 2 * E) * _row(cfg, lay, tokens)
     certificate = 2 * reduce * 2 * W * 8
-    restart = W * E * 4 + PRICE_UPDATES * reduce * 18 * E * 4 if restarts(cfg, lay, tokens) else 0
-    return header + prices + pair_counts + counts + rows + certificate + restart
+    return header + prices + pair_counts + counts + rows + certificate + local_start_bytes(W, E)
 
 
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
-    pairs, restart = pair_rounds(cfg, lay, tokens), restarts(cfg, lay, tokens)
-    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 2 if pairs else 0) + (1 + PRICE_UPDATES if restart else 0)
-    passes = PASSES + (PAIR_ROUNDS if pairs else 0) + (LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES if restart else 0)
+    pairs = pair_rounds(cfg, lay, tokens)
+    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 2 if pairs else 0)
+    passes = PASSES + (PAIR_ROUNDS if pairs else 0) + LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES
     local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

@@ -216,84 +216,90 @@ def test_the_local_start_lands_near_the_groups_prices(k):
     assert float((start - optimal).abs().max()) < 0.03, (start - optimal).abs().max()
 
 
+def chain_misses(s_parts, caps, k, world, start, iters, tol):
+    """One chain of price updates alone from ``start``: the loads' miss after each collective,
+    its prices at the end and how it ended (`jacobi_prices` with one start, cap by cap)."""
+    misses = []
+    for cap in range(1, iters + 1):
+        p, moved, _, converged, miss, _ = price_prices.jacobi_prices(
+            s_parts, caps, k, ShardReduce(world), [start], max_iters=cap, tol=tol
+        )
+        misses.append(miss)
+        if moved < cap:  # stopped by its own rule (converged or stalled) after cap collectives
+            return misses, p, True
+    return misses, p, False
+
+
 @pytest.mark.parametrize("k", [1, 2])
-def test_a_stalled_warm_start_tries_the_local_start(k):
+def test_a_warm_calls_local_start_rides_on_its_first_update(k):
     """Warm started from the draw's own optimal prices moved by 0.3% of the range (even draws)
-    or 3% (odd ones), the updates stalled after two (`STALL` 0): the local start and its
-    updates run too, and the solve keeps whichever prices leave the loads' smaller miss, with
-    their last move as its band (both outcomes occur over the draws; one rank has no tokens).
-    Where the pair rounds pay they follow, from the kept prices. The objective is the
-    single-process solver's either way; where the start's gather and updates would cost more
-    than the margin at stake, or without a previous call's prices, no second start."""
+    or 3% (odd ones), the updates stalling after two (`STALL` 0): every rank's own prices ride
+    on the first update's sum (float64, W x E more values, no round of their own) and a chain
+    from their median runs beside the given prices' from the second update on. The updates end
+    once the chain whose loads miss least has stopped, and the solve keeps its prices: the same
+    as each chain alone would reach (the oracle runs them one at a time and applies the rule).
+    The objective is the single-process solver's either way. A cold call gathers its start
+    (its own round) and runs one chain; ``local_start=False`` carries none."""
     sizes = [150, 0, 164, 171, 178, 185]
-    runs, starts, solved, paired = [], [], [], []  # of the group's solve (the local starts' own solves are left out)
-    real_jacobi, real_start, real_margin = price_base.jacobi_prices, price_base._local_start, price_base.solve_margin
-    real_pairs = price_base.pair_prices
+    world, calls, kept = len(sizes), [], set()
+    real_jacobi = price_base.jacobi_prices
 
-    def pair(s_parts, caps, k_, red, p):
-        paired.append(p)
-        return real_pairs(s_parts, caps, k_, red, p)
-
-    def jacobi(s_parts, *a, **kw):
-        got = real_jacobi(s_parts, *a, **kw)
-        if len(s_parts) == len(sizes):
-            runs.append(got)
+    def jacobi(s_parts, caps, k_, red, starts, **kw):
+        got = real_jacobi(s_parts, caps, k_, red, starts, **kw)
+        calls.append((s_parts, caps, starts, kw, got))
         return got
 
-    def local(*a, **kw):
-        starts.append(real_start(*a, **kw))
-        return starts[-1]
-
-    def margin(s_parts, starts_, sizes_, p, *a):
-        if len(s_parts) == len(sizes):
-            solved.append((p, a[6]))  # the prices and the band's last move
-        return real_margin(s_parts, starts_, sizes_, p, *a)
-
-    def solve(x, prices, pairs=False, pays=True):
-        with (
-            mock.patch.object(price_base, "jacobi_prices", jacobi),
-            mock.patch.object(price_base, "_local_start", local),
-            mock.patch.object(price_base, "solve_margin", margin),
-            mock.patch.object(price_base, "pair_prices", pair),
-            mock.patch.object(price_base, "pair_rounds_pay", lambda *a: pairs),
-            mock.patch.object(price_base, "local_start_pays", lambda *a: pays),
-            mock.patch.object(price_prices, "STALL", 0.0),
-        ):
-            return price_balanced_assignment(split(x, sizes), k, ShardReduce(len(sizes)), prices=prices)
-
-    kept = set()
     for seed in range(8):
         x = make_scores(seed, sum(sizes), 16, "gauss")
         x[::8] = x[0]  # a tied group: no prices split it, so neither start's updates converge
         rng = float((x.amax(1) - x.amin(1)).amax())
         g = torch.Generator().manual_seed(seed)
-        _, own, _ = price_balanced_assignment(split(x, sizes), k, ShardReduce(len(sizes)))
+        _, own, _ = price_balanced_assignment(split(x, sizes), k, ShardReduce(world))
         far = own + (0.03 if seed % 2 else 0.003) * rng * torch.randn(16, generator=g, dtype=torch.float64)
-        runs.clear(), starts.clear(), solved.clear()
-        out, _, stats = solve(x, far)
-        assert len(starts) == 1 and len(runs) == 2, runs  # the warm updates stalled: the local start too
-        assert runs[0][1] == 2 and not runs[0][3]
-        assert stats.price_updates == runs[0][1] + runs[1][1]
-        smaller = runs[1] if runs[1][4] < runs[0][4] else runs[0]
-        assert len(solved) == 1 and torch.equal(solved[0][0], smaller[0]) and solved[0][1] == smaller[2]
-        kept.add(smaller is runs[1])
-        got = torch.cat(out)  # the tied group makes the optimum not unique: its objective
-        check_feasible(got, sum(sizes), 16, k)
-        assert abs(float(assignment_score(x, got) - assignment_score(x, balanced_assignment(x, k)))) <= 2 * bound(x, k)
-        assert not paired  # the pair rounds would cost more than they spare
-        runs.clear(), starts.clear()
-        solve(x, far, pairs=True)  # they pay: the local start first, then they follow from the kept prices
-        assert len(starts) == 1 and len(runs) == 2
-        smaller = runs[1] if runs[1][4] < runs[0][4] else runs[0]
-        assert len(paired) == 1 and torch.equal(paired[0], smaller[0])
-        for pairs in (True, False):  # the start costs more than the margin at stake: not tried
-            runs.clear(), starts.clear(), paired.clear()
-            solve(x, far, pairs, pays=False)
-            assert not starts and len(runs) == 1 and len(paired) == pairs
-        runs.clear()
-        solve(x, None)
-        assert len(starts) == 1 and len(runs) == 1  # a cold call: its one local start, no second
-    assert kept == {True, False}
+        calls.clear()
+        with (
+            mock.patch.object(price_base, "jacobi_prices", jacobi),
+            mock.patch.object(price_base, "pair_rounds_pay", lambda *a: False),
+            mock.patch.object(price_prices, "STALL", 0.0),
+        ):
+            out, _, stats = price_balanced_assignment(split(x, sizes), k, ShardReduce(world), prices=far)
+            ((s_parts, caps, starts, kw, got),) = calls
+            kinds = [kind for kind, _, _ in stats.log]
+            first = stats.log[1]  # the header, then the first update: its counts and the ranks' prices
+            assert kinds[:2] == ["max", "sum"] and "gather" not in kinds[: 1 + got[1] + 1]
+            assert first[1] == 16 * (price_prices.BINS + 2) + world * 16 and first[2] == 8 * first[1]
+            late_blocks, median = kw["late"]
+            local = median(torch.stack(late_blocks).sum(0).view(world, 16))
+            iters, tol = kw["max_iters"], kw["tol"]
+            a_miss, a_p, a_stop = chain_misses(s_parts, caps, k, world, starts[0], iters, tol)
+            b_miss, b_p, b_stop = chain_misses(s_parts, caps, k, world, local, iters - 1, tol)
+        # the leader rule on the two chains, the local one a collective behind
+        for t in range(iters):
+            a = a_miss[min(t, len(a_miss) - 1)]
+            b = b_miss[min(t - 1, len(b_miss) - 1)] if t else float("inf")
+            a_done = a_stop and t >= len(a_miss) - 1 or t == iters - 1
+            b_done = t and (b_stop and t - 1 >= len(b_miss) - 1) or t == iters - 1
+            if (a <= b and a_done) or (b < a and b_done):
+                break
+        winner = 0 if a <= b else 1
+        assert got[5] == winner and torch.equal(got[0], (a_p, b_p)[winner]), (seed, a_miss, b_miss, got[1:])
+        assert stats.start == ("given", "local")[winner]
+        kept.add(winner)
+        merged = torch.cat(out)  # the tied group makes the optimum not unique: its objective
+        check_feasible(merged, sum(sizes), 16, k)
+        assert abs(float(assignment_score(x, merged) - assignment_score(x, balanced_assignment(x, k)))) <= 2 * bound(
+            x, k
+        )
+        for prices, local_start in ((None, True), (far, False)):
+            calls.clear()
+            with mock.patch.object(price_base, "jacobi_prices", jacobi):
+                _, _, st_ = price_balanced_assignment(
+                    split(x, sizes), k, ShardReduce(world), prices=prices, local_start=local_start
+                )
+            assert calls[0][3]["late"] is None and len(calls[0][2]) == 1
+            assert [kind for kind, _, _ in st_.log].count("gather") >= (prices is None)
+            assert st_.log[1][0] == ("gather" if prices is None else "sum")
+    assert kept == {0, 1}
 
 
 def flat_scores(seed: int, num_tokens: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -618,13 +624,18 @@ def test_a_wider_band_sends_only_the_rows_it_adds():
 
 def test_prices_too_far_for_the_margins_bins():
     """Prices so far apart that fewer than 2E tokens have a margin under the last bin's edge
-    (about 2e3 of the normalised scores): the band goes past 4, the whole problem."""
+    (about 2e3 of the normalised scores): the band goes past 4, the whole problem. With the
+    local start beside them (the default), its chain leads and the margin stays thin."""
     x = make_scores(0, 200, 4, "gauss")
     spread = float((x.amax(1) - x.amin(1)).amax())
     far = torch.tensor([0.0, 1e4, 2e4, 3e4], dtype=torch.float64) * spread
+    ref = same_order(balanced_assignment(x, 1))
+    out, _, stats = price_balanced_assignment(split(x, [120, 80]), 1, ShardReduce(2), prices=far, local_start=False)
+    assert stats.margin_rows == 200 and stats.start == "given"
+    assert torch.equal(same_order(torch.cat(out)), ref)
     out, _, stats = price_balanced_assignment(split(x, [120, 80]), 1, ShardReduce(2), prices=far)
-    assert stats.margin_rows == 200
-    assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 1)))
+    assert stats.margin_rows < 50 and stats.start == "local"
+    assert torch.equal(same_order(torch.cat(out)), ref)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
