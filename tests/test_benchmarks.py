@@ -260,11 +260,11 @@ def test_global_base_bytes_by_part_follow_the_solve_phases():
     assert parts == dict(
         header=3, start=4, prices=56, margin_counts=320, margin_rows=640, check_counts=5120, check_rows=2048
     )
-    # a warm call: its first update carries the ranks' own prices (144 + 4 x 8 float64), then
+    # a warm call: its first update carries the ranks' own prices (144 + 4 x 8 int32), then
     # both chains' counts (288 int32)
-    warm = [("max", 44, 1), ("sum", 144 + 32, 176 * 8), ("sum", 288, 288 * 4), ("sum", 45, 64), ("gather", 300, 128)]
+    warm = [("max", 44, 1), ("sum", 144 + 32, 176 * 4), ("sum", 288, 288 * 4), ("sum", 45, 64), ("gather", 300, 128)]
     parts = bytes_by_part(warm, 4, 8)
-    assert parts["start"] == 32 * 8 and parts["prices"] == 144 * 8 + 288 * 4 and parts["margin_rows"] == 128
+    assert parts["start"] == 32 * 4 and parts["prices"] == 144 * 4 + 288 * 4 and parts["margin_rows"] == 128
     without = bytes_by_part([("max", 44, 1), ("sum", 144, 8), ("sum", 45, 64), ("gather", 300, 128)], 4, 8)
     assert without["start"] == 0 and without["prices"] == 8 and without["margin_rows"] == 128
 

@@ -15,14 +15,14 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    its own tokens alone (no collective) and one gather of W x E float32 gives every rank the
    per-expert median of those prices (a rank's tokens are a sample of the group's; the median
    keeps one rank's outlying price off the start). Then damped Jacobi updates, one sum of
-   E x 18 int32 counts each (`price_prices`), until the loads miss the capacities by at most
-   E slots in all, or at most 40 updates from zero prices and 20 from given ones, a previous
-   call's or the local start's (`PRICE_ITERS`); from given ones, also once two updates have
-   taken less than a fifth off the miss (stalled: a trained router's scores, where each
+   E x 18 int32 counts each (and each more chain's, below: `price_prices`), until the loads
+   miss the capacities by at most E slots in all, or at most 40 updates from zero prices and
+   20 from given ones, a previous call's or the local start's (`PRICE_ITERS`); from given
+   ones, also once two updates have taken less than a fifth off the miss (stalled: a trained router's scores, where each
    further update buys little and costs a round). A warm call runs the local start too, without
    a round of its own: every rank's prices for its own tokens ride on the first update's sum
-   (W x E more values, each rank's row at its place and zeros elsewhere, so the sum is every
-   row; that sum in float64), and a chain of updates from their median runs beside the given
+   (W x E more int32 values, the bits of each rank's float32 row at its place and zeros
+   elsewhere, so the sum is every row, bit for bit), and a chain of updates from their median runs beside the given
    prices' from the second update on, its counts in the same sums. The updates end once the
    chain whose loads miss least as last measured has stopped (at its prices where it stopped
    early, one move before them where it reached its cap), and the solve keeps its prices, with
@@ -238,8 +238,8 @@ def price_balanced_assignment(
         if max_price_iters is None:
             max_price_iters = PRICE_ITERS[start is not None]
         late = None  # a warm call's local start: it rides on the first update and joins the second
-        if wants_local and prices is not None and max_price_iters > 0:
-            late = _local_rows(parts_TE, k, red, extras, eps, unit, max_cycles), _median
+        if wants_local and prices is not None and max_price_iters > 1:  # its chain joins the second
+            late = _local_rows(parts_TE, k, red, extras, eps, unit, max_cycles), _rows_median
         p, stats.price_updates, width, converged, _, which = jacobi_prices(
             s_parts, caps, k, red, [start], max_iters=max_price_iters, tol=num_experts, late=late
         )
@@ -314,17 +314,26 @@ def _local_start(
     return _median(red.gather(rows, [1] * red.world))
 
 
-def _local_rows(parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float, max_cycles):
+def _local_rows(
+    parts_TE: list[Tensor], k: int, red: Reduction, extras: str, eps: float, unit: float, max_cycles: int | None = None
+) -> list[Tensor]:
     """The same prices as `_local_start`'s gather would bring, made to travel in a sum: per
-    shard a (W x E,) float64 block holding its own row at its rank and zeros elsewhere, so the
-    sum is every rank's row, exactly (one term each). A warm call adds it to its first price
-    update's sum (`price_prices.jacobi_prices`' ``late``) instead of a round of its own."""
+    shard a (W x E,) int32 block holding the bits of its own float32 row at its rank and zeros
+    elsewhere, so the sum is every rank's row, bit for bit (one term each, NaN included). A
+    warm call adds it to its first price update's int32 counts (`price_prices.jacobi_prices`'
+    ``late``) instead of a round of its own; `_rows_median` reads it back."""
     blocks = []
     for rank, mine in zip(red.ranks, _local_prices(parts_TE, k, extras, eps, unit, max_cycles), strict=True):
-        block = torch.zeros(red.world, mine.numel(), dtype=torch.float64, device=mine.device)
-        block[rank] = mine
+        block = torch.zeros(red.world, mine.numel(), dtype=torch.int32, device=mine.device)
+        block[rank] = mine.view(torch.int32)
         blocks.append(block.flatten())
     return blocks
+
+
+def _rows_median(summed: Tensor) -> Tensor | None:
+    """`_median` of the rows `_local_rows`' blocks sum to (W, E): their float32 bits (in int32;
+    a sum over a list of int32 tensors may come back widened, the values exact)."""
+    return _median(summed.to(torch.int32).contiguous().view(torch.float32))
 
 
 def _finish(stats, red, rounds0, values0, bytes0) -> PriceStats:

@@ -7,7 +7,8 @@ towards the value at which exactly ``cap[e]`` tokens of the whole group would pi
 other prices stayed put. That value is an order statistic of the tokens' thresholds
 ``v[e, t]`` (token t takes e while the price of e is below it), and the ranks find it without
 showing each other a token: each counts its thresholds into B bins of a window around the
-current price, one sum of E x (B + 2) int32 counts per update, and the price moves to where the
+current price, one sum of E x (B + 2) int32 counts per update (per chain of updates where
+several run side by side: `jacobi_prices`), and the price moves to where the
 counts cross the capacity (values taken as evenly spread within a bin; outside the window,
 to its edge). The window narrows with the moves, so the resolution follows the convergence.
 The same counts give every expert's load at the current prices, which decides when to stop.
@@ -136,9 +137,9 @@ def jacobi_prices(
 ) -> tuple[Tensor, int, float, bool, int | None, int]:
     """Damped Jacobi prices over every rank's tokens, from each of ``starts`` (prices (E,), or
     None: zeros, a cold start) in the same collectives: one sum per update carries every
-    running chain's counts. ``late``: (per shard a float64 tensor, a function of their sum
-    giving prices or None): summed with the first update's counts (that sum then in float64,
-    exact for counts), and the prices it gives start one more chain from the second update.
+    running chain's counts (E x (B + 2) int32 a chain). ``late``: (per shard an int32 tensor,
+    a function of their sum giving prices or None): summed with the first update's counts, and
+    the prices it gives start one more chain from the second update.
 
     A chain stops once the loads under its prices miss the capacities by at most ``tol`` slots
     in all (converged), after ``max_iters`` updates, or, from given prices, once two updates
@@ -150,7 +151,8 @@ def jacobi_prices(
     chain moved), its last move (what the prices are known to within, roughly), whether they
     converged, and its loads' last measured miss in slots (at the returned prices where it
     stopped early, at the ones before its last move where it reached ``max_iters``; None where
-    no update ran), and which of ``starts`` it came from."""
+    no update ran), and which chain it is: its index in ``starts``, or ``len(starts)`` for
+    ``late``'s."""
     num_experts = s_parts[0].shape[0]
     chains = [_Chain(p, num_experts, s_parts[0].device) for p in starts]
     moved = 0
@@ -158,10 +160,10 @@ def jacobi_prices(
         running = [c for c in chains if c.stop is None]
         parts = [torch.cat([c.counts(s, k) for c in running]).flatten() for s in s_parts]
         if late is not None:
-            parts = [torch.cat([c.double(), x.to(c.device)]) for c, x in zip(parts, late[0], strict=True)]
+            parts = [torch.cat([c, x.to(c.device)]) for c, x in zip(parts, late[0], strict=True)]
         summed = red.sum(parts)
         n = len(running) * num_experts * (BINS + 2)
-        counts = summed[:n].long().view(-1, BINS + 2)
+        counts = summed[:n].long().view(-1, BINS + 2)  # int32 on the wire: a group's tokens fit
         if sum([c.update(m, caps, tol) for c, m in zip(running, counts.split(num_experts), strict=True)]):
             moved += 1
         if late is not None:

@@ -21,9 +21,9 @@ counts (and their 5 more rounds, at the router config's ``base_round_bytes`` eac
 than the eighth of the tokens the margin would otherwise hold, the solver's own rule
 (`price_prices.pair_rounds_pay`); docs/scale.md costs that case with the replay's measured
 updates and margin. Every warm solve (the steady state modelled here) also carries each
-rank's prices for its own tokens on its first update's sum (W x E float64 more in it, and that
-sum in float64: no round of its own), and a chain of updates from their median runs beside the
-given prices' in the same sums (`local_start_bytes`: costed as `PRICE_UPDATES` more counts),
+rank's prices for its own tokens on its first update's sum (W x E int32 more in it: no round
+of its own), and a chain of updates from their median runs beside the given prices' in the same
+sums (`local_start_bytes`: costed as `PRICE_UPDATES` - 1 more counts),
 and each rank solves its own tokens by the single-process solver
 (`moe.routing.balanced.balanced_prices`), counted as `LOCAL_SOLVE_PASSES` passes over its
 scores (its price updates, the normalisation, the pick, the fill and the check; its exchange
@@ -88,12 +88,11 @@ def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
 
 
 def local_start_bytes(W: int, E: int) -> float:
-    """Bytes the local start adds to a warm solve: every rank's prices (W x E float64) and the
-    first update's counts again (that sum goes in float64), then its chain's counts beside the
-    given prices' for `PRICE_UPDATES` updates, all in all-reduces."""
+    """Bytes the local start adds to a warm solve: every rank's prices (W x E, float32 bits in
+    int32) on the first update's sum, then its chain's counts beside the given prices' from
+    the second update on (`PRICE_UPDATES` - 1 of them), all in all-reduces."""
     reduce = 2 * (W - 1) / W
-    counts = (BINS + 2) * E * 4
-    return reduce * (W * E * 8 + counts + PRICE_UPDATES * counts)
+    return reduce * (W * E * 4 + (PRICE_UPDATES - 1) * (BINS + 2) * E * 4)
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:

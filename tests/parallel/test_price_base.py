@@ -183,8 +183,8 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     ref = float(assignment_score(x, balanced_assignment(x, 1)))
     cold, prices, cold_stats = solve_simulated(x, sizes, 1, "best", local_start=False)
     assert cold_stats.price_updates == price_base.PRICE_ITERS[0]  # from zero prices they run to their cap
-    # local_start=False: the stall rule alone (where it stalls without pair rounds, a warm
-    # call also tries the local start: the test below)
+    # local_start=False: the stall rule alone (a warm call's local start runs beside it:
+    # `test_a_warm_calls_local_start_rides_on_its_first_update`)
     warm, _, stats = solve_simulated(x, sizes, 1, "best", prices, local_start=False)
     assert stats.price_updates == 2 and stats.rounds < cold_stats.rounds // 2
     assert stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
@@ -218,16 +218,25 @@ def test_the_local_start_lands_near_the_groups_prices(k):
 
 def chain_misses(s_parts, caps, k, world, start, iters, tol):
     """One chain of price updates alone from ``start``: the loads' miss after each collective,
-    its prices at the end and how it ended (`jacobi_prices` with one start, cap by cap)."""
+    what `jacobi_prices` returns at its end, and whether it stopped by its own rule (converged
+    or stalled) before ``iters`` (`jacobi_prices` with one start, cap by cap)."""
     misses = []
     for cap in range(1, iters + 1):
-        p, moved, _, converged, miss, _ = price_prices.jacobi_prices(
-            s_parts, caps, k, ShardReduce(world), [start], max_iters=cap, tol=tol
-        )
-        misses.append(miss)
-        if moved < cap:  # stopped by its own rule (converged or stalled) after cap collectives
-            return misses, p, True
-    return misses, p, False
+        got = price_prices.jacobi_prices(s_parts, caps, k, ShardReduce(world), [start], max_iters=cap, tol=tol)
+        misses.append(got[4])
+        if got[1] < cap:  # stopped after cap collectives
+            return misses, got, True
+    return misses, got, False
+
+
+def test_the_leading_chain_is_the_one_that_missed_least_the_first_on_a_tie():
+    chains = [price_prices._Chain(None, 4, "cpu") for _ in range(3)]
+    assert price_prices._leader(chains) is chains[0]  # none measured
+    for c, misses in zip(chains, ([9, 5], [7, 5], [6]), strict=True):
+        c.misses = misses
+    assert price_prices._leader(chains) is chains[0]  # the last miss counts, and 5 ties 5
+    chains[2].misses = [4]
+    assert price_prices._leader(chains) is chains[2]
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -267,22 +276,32 @@ def test_a_warm_calls_local_start_rides_on_its_first_update(k):
             kinds = [kind for kind, _, _ in stats.log]
             first = stats.log[1]  # the header, then the first update: its counts and the ranks' prices
             assert kinds[:2] == ["max", "sum"] and "gather" not in kinds[: 1 + got[1] + 1]
-            assert first[1] == 16 * (price_prices.BINS + 2) + world * 16 and first[2] == 8 * first[1]
+            assert first[1] == 16 * (price_prices.BINS + 2) + world * 16 and first[2] == 4 * first[1]
             late_blocks, median = kw["late"]
             local = median(torch.stack(late_blocks).sum(0).view(world, 16))
+            unit = float((x.amax(1) - x.amin(1)).amax())  # the group's largest per-token range
+            gathered = price_base._local_start(split(x, sizes), k, ShardReduce(world), "best", 1e-6, unit)
+            assert torch.equal(local, gathered)  # the sum is the gather, bit for bit
             iters, tol = kw["max_iters"], kw["tol"]
-            a_miss, a_p, a_stop = chain_misses(s_parts, caps, k, world, starts[0], iters, tol)
-            b_miss, b_p, b_stop = chain_misses(s_parts, caps, k, world, local, iters - 1, tol)
-        # the leader rule on the two chains, the local one a collective behind
+            a_miss, a_got, a_stop = chain_misses(s_parts, caps, k, world, starts[0], iters, tol)
+            b_miss, b_got, b_stop = chain_misses(s_parts, caps, k, world, local, iters - 1, tol)
+        # the leader rule on the two chains, the local one a collective behind; a chain moves
+        # after each of its sums but the one it stopped at
+        moved = 0
         for t in range(iters):
             a = a_miss[min(t, len(a_miss) - 1)]
             b = b_miss[min(t - 1, len(b_miss) - 1)] if t else float("inf")
+            a_moves = t < len(a_miss) - (1 if a_stop else 0)
+            b_moves = 0 < t < len(b_miss) + 1 - (1 if b_stop else 0)
+            moved += a_moves or b_moves
             a_done = a_stop and t >= len(a_miss) - 1 or t == iters - 1
             b_done = t and (b_stop and t - 1 >= len(b_miss) - 1) or t == iters - 1
             if (a <= b and a_done) or (b < a and b_done):
                 break
         winner = 0 if a <= b else 1
-        assert got[5] == winner and torch.equal(got[0], (a_p, b_p)[winner]), (seed, a_miss, b_miss, got[1:])
+        alone = (a_got, b_got)[winner]
+        assert got[5] == winner and torch.equal(got[0], alone[0]), (seed, a_miss, b_miss, got[1:])
+        assert got[1] == moved and got[2:5] == alone[2:5], (seed, a_miss, b_miss, got[1:], alone[1:])
         assert stats.start == ("given", "local")[winner]
         kept.add(winner)
         merged = torch.cat(out)  # the tied group makes the optimum not unique: its objective
@@ -875,6 +894,16 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     (got,), p_got, stats = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group))
     sim, p_sim, sim_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world))
     assert ("gather", world * 8, world * 8 * 4) in stats.log and stats.rounds == sim_stats.rounds, stats
+    assert torch.equal(p_got, p_sim) and torch.equal(got, sim[me]), me
+    # a warm call from far prices, stalling after two updates: every rank's own prices ride on
+    # the first update's sum (the empty rank's NaN among them) and both chains run; the same
+    # collectives, kept chain, prices and assignment as the simulation
+    far = p_sim + 0.03 * float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-1, 1, 8, dtype=torch.float64)
+    with mock.patch.object(price_prices, "STALL", 0.0):
+        mine = split(x, sizes)[me : me + 1]
+        (got,), p_got, stats = price_balanced_assignment(mine, 2, GroupReduce(group), prices=far)
+        sim, p_sim, sim_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world), prices=far)
+    assert stats.log == sim_stats.log and stats.start == sim_stats.start and stats.log[1][1] == 8 * 18 + world * 8
     assert torch.equal(p_got, p_sim) and torch.equal(got, sim[me]), me
     bad = make_scores(seed, 10, 8, "gauss")
     if me == world - 1:

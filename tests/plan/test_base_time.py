@@ -71,13 +71,13 @@ def test_stalled_updates_pay_the_pair_rounds_where_they_spare_bytes():
 
 def test_a_warm_solve_carries_the_local_start_without_a_round_of_its_own():
     """deepseek-v3-like (E = 256, K = 8, ep = 64, T = 4096): the model adds what the solver's
-    warm call sends for its local start, the ranks' prices (W x E float64) and the first
-    update's counts again on that update's sum, its chain's counts on `PRICE_UPDATES` more, and
-    each rank's own solve, but no round. The solver (W = 8, E = 16) sends exactly those values on
-    its first update, and no gather before its margin."""
+    warm call sends for its local start, the ranks' prices (W x E int32) on the first update's
+    sum, its chain's counts on `PRICE_UPDATES` - 1 more, and each rank's own solve, but no
+    round. The solver (W = 8, E = 16) sends exactly those values on its first update, and no
+    gather before its margin."""
     cfg, lay = _base("deepseek-v3-like"), Layout(ep=64, dp_shard=64)
     counts = (price_prices.BINS + 2) * 256 * 4
-    assert base_time.local_start_bytes(64, 256) == pytest.approx(2 * 63 / 64 * (64 * 256 * 8 + 9 * counts))
+    assert base_time.local_start_bytes(64, 256) == pytest.approx(2 * 63 / 64 * (64 * 256 * 4 + 7 * counts))
     with_it = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
     with mock.patch.object(base_time, "local_start_bytes", lambda W, E: 0.0):
         without = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
@@ -92,7 +92,7 @@ def test_a_warm_solve_carries_the_local_start_without_a_round_of_its_own():
         _, _, stats = price_balanced_assignment(parts, 1, ShardReduce(8), prices=prices, local_start=local_start)
         first = stats.log[1]
         assert first[0] == "sum" and first[1] == 16 * (price_prices.BINS + 2) + 8 * 16 * local_start
-        assert first[2] == first[1] * (8 if local_start else 4)
+        assert first[2] == first[1] * 4  # int32, the prices as their float32 bits
         margin = next(i for i, (kind, n, _) in enumerate(stats.log) if kind == "sum" and n == 16 + 8 + 33)
         assert all(kind != "gather" for kind, _, _ in stats.log[:margin])
 
