@@ -14,29 +14,29 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 2. the prices: from a previous call's, or, without them, from a local start: every rank solves
    its own tokens alone (no collective) and one gather of W x E float32 gives every rank the
    per-expert median of those prices (a rank's tokens are a sample of the group's; the median
-   keeps one rank's outlying price off the start). Then damped Jacobi updates, one sum of
-   E x 18 int32 counts each (and each more chain's, below: `price_prices`), until the loads
-   miss the capacities by at most E slots in all, or at most 40 updates from zero prices and
-   20 from given ones, a previous call's or the local start's (`PRICE_ITERS`); from given
-   ones, also once two updates have taken less than a fifth off the miss (stalled: a trained router's scores, where each
-   further update buys little and costs a round). A warm call runs the local start too, without
-   a round of its own: every rank's prices for its own tokens ride on the first update's sum
-   (W x E more int32 values, the bits of each rank's float32 row at its place and zeros
-   elsewhere, so the sum is every row, bit for bit), and a chain of updates from their median runs beside the given
-   prices' from the second update on, its counts in the same sums. The updates end once the
-   chain whose loads miss least as last measured has stopped (at its prices where it stopped
-   early, one move before them where it reached its cap), and the solve keeps its prices, with
-   its last move as the band: a previous call's prices are the optimum of other tokens, and on
-   a trained router's scores they can sit further from this call's than the ranks' own solves
-   of it. Where the kept updates stall or reach their cap, 3 pair rounds follow
-   (`price_prices.pair_prices`) when their E x E x 4 int32 counts (and their 5 rounds, at
-   ``round_bytes`` each where given) cost less than the eighth of the tokens the margin would
-   otherwise hold: the tokens counted by the
-   pair of experts they stand between and their margin, from which every rank moves the
-   prices alike; one max of the prices and the last move then agrees on their bits, and one
-   sum of the loads checks them: where the loads miss by more than before, they run again
-   with a narrower window, and where no try helps the prices stay as they were (at E = 256
-   they cost more);
+   keeps one rank's outlying price off the start). Then damped Jacobi updates, one sum of E x
+   18 int32 counts each (and each more chain's, below: `price_prices`), until the loads miss
+   the capacities by at most E slots in all, or at most 40 updates from zero prices and 20 from
+   given ones, a previous call's or the local start's (`PRICE_ITERS`); from given ones, also
+   once two updates have taken less than a fifth off the miss (stalled: a trained router's
+   scores, where each further update buys little and costs a round). A warm call runs the local
+   start too, without a round of its own: every rank's prices for its own tokens ride on the
+   first update's sum (W x E more int32 values, the bits of each rank's float32 row at its
+   place and zeros elsewhere, so the sum is every row, bit for bit), and a chain of updates
+   from their median runs beside the given prices' from the second update on, its counts in the
+   same sums. The updates end once a chain converges or both have stopped, and the solve keeps
+   the prices of the one whose loads missed less when last measured (at its prices where it
+   stopped early, one move before them where it reached its cap), with its last move as the
+   band: a previous call's prices are the optimum of other tokens, and on a trained router's
+   scores they can sit further from this call's than the ranks' own solves of it. Where the
+   kept updates stall or reach their cap, 3 pair rounds follow (`price_prices.pair_prices`)
+   when their E x E x 4 int32 counts (and their 5 rounds, at ``round_bytes`` each where given)
+   cost less than the eighth of the tokens the margin would otherwise hold: the tokens counted
+   by the pair of experts they stand between and their margin, from which every rank moves the
+   prices alike; one max of the prices and the last move then agrees on their bits, and one sum
+   of the loads checks them: where the loads miss by more than before, they run again with a
+   narrower window, and where no try helps the prices stay as they were (at E = 256 they cost
+   more);
 3. the margin (`price_margin`): every token picks its K best under the prices; those whose
    K-th choice is ahead of the next by less than a band (the last price move, per expert, grown
    where the fixed tokens overfill an expert or the gathered rows cannot fill one) travel as

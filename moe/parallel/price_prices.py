@@ -145,8 +145,12 @@ def jacobi_prices(
     in all (converged), after ``max_iters`` updates, or, from given prices, once two updates
     have taken less than ``1 - STALL`` off its miss (stalled: on a trained router's scores the
     miss then falls a few percent an update, and each update is a round). The updates end once
-    the chain whose loads miss least (the leader) has stopped: another one would first have to
-    overtake it, a round at a time. Returns the leader's prices (E,) float64 (the same on every
+    a chain has converged or every chain has stopped, and the one whose loads missed least when
+    last measured (the leader; the first on a tie) is kept: the same choice as running each
+    chain alone one after another, in the rounds of the longest. (Ending once the leader had
+    stopped saved a few more rounds, but on a trained router's scores the chain behind it
+    would have gone on to a smaller miss, and the margin grew by a third or more.) Returns the
+    leader's prices (E,) float64 (the same on every
     rank: they follow from summed integer counts), the updates run (collectives after which a
     chain moved), its last move (what the prices are known to within, roughly), whether they
     converged, and its loads' last measured miss in slots (at the returned prices where it
@@ -171,7 +175,7 @@ def jacobi_prices(
             late = None
             if p_late is not None:
                 chains.append(_Chain(p_late, num_experts, s_parts[0].device))
-        if _leader(chains).stop is not None:
+        if any(c.stop == "converged" for c in chains) or all(c.stop is not None for c in chains):
             break
     else:
         for c in chains:
