@@ -249,9 +249,12 @@ def test_layout_matches_one_process(single, layout):
         if job.global_base:  # the assignment is solved over every data-parallel rank's tokens
             assert {a for log in logs for a in log["assign"]} == {"GroupBalance"}
             # exactly one process's: the ranks' tokens, in rank order, are its batch (per-rank
-            # BASE moves the losses by only ~1e-6 here, inside the tolerance)
+            # BASE moves the losses by only ~1e-6 here, inside the tolerance); each token's
+            # experts as a set: their order follows the prices they were picked under, and a warm
+            # group call may keep its ranks' local start where one process has none
             for i, ref_idx in enumerate(refs["base"]["routing"]):
-                assert sum((log["routing"][i] for log in logs), []) == ref_idx, f"MoE layer {i}"
+                got = sum((log["routing"][i] for log in logs), [])
+                assert [sorted(e) for e in got] == [sorted(e) for e in ref_idx], f"MoE layer {i}"
             # NaN input on the last rank: it raises, and the others too instead of waiting for it
             assert "x must be finite" in logs[-1]["failure"], logs[-1]["failure"]
             assert all("PeerFailedError" in log["failure"] for log in logs[:-1]), logs[0]["failure"]
