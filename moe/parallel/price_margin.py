@@ -35,8 +35,14 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    costs no bytes, 4x): a
    pull takes the tokens whose K-th choice under the prices is ahead of a short expert by less
    than 4x that expert's band (4x the larger of its band and its last pull when it grows again,
-   up to 4), and the rows it adds carry that expert. A wider margin sends only the tokens it
-   adds (the prices, and so a token's row, stay), one gather each;
+   up to 4), and the rows it adds carry that expert. Where the rows can fill every expert but
+   the cycles raise some experts' prices above the others' by more than 64 of their bands (`_risen`:
+   the rows want more of them than the room left, and too few rows hold one to give it up),
+   those experts' bands alone grow 4x while more fixed tokens would fail against the cycles'
+   prices than the growth adds (one sum of 3 values and the grown margin's counts), so the
+   tokens that hold them nearest their margin come instead of every token within the rise. A
+   wider margin sends only the tokens it adds (the prices, and so a token's row, stay), one
+   gather each;
 4. the certificate: the cycles' final distances are prices under which no margin row can gain
    on the columns it carries. Every rank checks its fixed tokens against them, and its margin
    rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
@@ -77,6 +83,12 @@ STEP = 4  # a band's growth: where fixed tokens overfill, where the fill fails, 
 # every band's growth where rows travel and cannot fill an expert: the last step overshoots the
 # band needed by up to this factor, and its rows cost bytes (docs/benchmarks.md, "Finer steps")
 GROW = 2
+# an expert's rise under the cycles, in its bands, past which its band grows before the
+# certificate runs (`_risen`): random scores rise by up to about 2, trained routers' replayed
+# layers by up to 24, where a growth cost up to 4 rounds for 0.08 points of bytes or none; the
+# call traced rose by 2,500 and its certificate sent 11,241 rows (docs/benchmarks.md, "An
+# expert the cycles price out")
+RISE = STEP**3
 GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 ROW_BLOCK = 1 << 15  # gathered rows updated at a time by a certificate round
 
@@ -185,8 +197,26 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
         graph = _graph(s_res, slots, delta, extra)
         cancelled = graph.cancel(budget, p.cpu().numpy().astype(s_res.numpy().dtype))
         short = None if last else _unsent_columns(s_res, torch.from_numpy(graph.out))
-        if short is None or short.numel() == 0:
+        if short is None:
             return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+        if short.numel() == 0:
+            # every expert filled; where the cycles priced some far above the others, the fixed
+            # tokens holding them near their margin would fail: those bands alone grow while
+            # that sends fewer (docs/benchmarks.md, "An expert the cycles price out")
+            risen = _risen(cancelled[2], p, band)
+            if risen.numel() == 0:
+                return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+            grown = band.clone()
+            grown[risen] *= STEP
+            q = torch.from_numpy(cancelled[2]).to(dtype)
+            (fails, _, _), next_counts = _widen_counts(
+                s_parts, p1, picks, by_gap, near, band, pull, pull, q, red, delta, [(grown, pull)]
+            )
+            adds = int(next_counts[0][1][num_experts : num_experts + world].sum()) - sum(had_sizes)
+            if fails <= adds or adds == 0:  # the certificate takes them (a growth that adds none ends it)
+                return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+            band, agreed = grown, next_counts[0]
+            continue
         # the tokens nearest to taking the experts short of rows, or every band GROW x (weighed
         # against every band 4x: what growing may take in all)
         pulled = pull.clone()
@@ -386,6 +416,15 @@ def _widen_counts(s_parts, p_E1, picks, by_gap, near, band, pull, pulled, q_E: T
     summed = red.sum(counts).cpu()
     each = (summed.numel() - 3) // len(ways)  # E + W + 33 values a way
     return summed[:3].tolist(), [(side[:3], summed[3 + w * each : 3 + (w + 1) * each]) for w, side in enumerate(sides)]
+
+
+def _risen(dist_E, p_E: Tensor, band_E: Tensor) -> Tensor:
+    """The experts whose price the cycles raised above the others' (their median move) by more
+    than `RISE` times their band: the gathered rows want more of them than the room the fixed
+    tokens leave, and too few gathered rows hold one to give it up, so every fixed token that
+    holds one within that rise of its margin would fail."""
+    moved = torch.from_numpy(dist_E).to(torch.float64) - p_E.cpu().to(torch.float64)
+    return ((moved - moved.median()) > RISE * band_E).nonzero().flatten()
 
 
 def _unsent_columns(s_res: Tensor, slots_MK: Tensor) -> Tensor:

@@ -633,6 +633,23 @@ def test_fewer_failing_fixed_tokens_than_a_wider_band_adds_go_to_the_certificate
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, 2)))
 
 
+def test_an_expert_the_cycles_price_out_widens_its_own_band():
+    """Random scores over 8 ranks of 512 tokens, 16 experts, K = 2: the gathered rows want more
+    of one expert than the room the fixed tokens leave, and too few of them hold it, so the
+    cycles raise its price far above the others' (more than 4 bands). Left to the
+    certificate, every fixed token that holds it near its margin would fail and travel (315
+    rows over two checks); its band grows first, the tokens that hold it come, and the
+    certificate passes at its first check."""
+    g = torch.Generator().manual_seed(18)
+    x = torch.randn(8 * 512, 16, generator=g) + 0.3 * torch.randn(16, generator=g)
+    out, _, stats = solve_simulated(x, [512] * 8, 2, "best")
+    with mock.patch.object(price_margin, "_risen", lambda *a: torch.zeros(0, dtype=torch.int64)):
+        _, _, left = solve_simulated(x, [512] * 8, 2, "best")
+    assert stats.checks == 1 < left.checks, (stats, left)
+    assert 2 * stats.margin_rows < left.margin_rows and stats.bytes < left.bytes, (stats, left)
+    assert torch.equal(same_order(out), same_order(balanced_assignment(x, 2)))
+
+
 def test_a_wider_band_sends_only_the_rows_it_adds():
     """Each margin row travels once while the band grows (the prices, and so its row, stay):
     with the certificate passing at once, the rows gathered are the margin rows."""
