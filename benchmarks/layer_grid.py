@@ -13,6 +13,8 @@ goals are stated in: ours / torchtitan, ours / Megatron, ours / the dense-equiva
 
 - ours: `moe.MoE`, softmax top-K renormalised (what torchtitan's `route_norm` and Mixtral do),
   and `ours BASE` with the exact balanced assignment (no peer has it: compare with the floor);
+  `ours whole-row` is `ours` with its SwiGLU experts always in the whole-row form (three
+  `grouped_mm` over all rows), never one expert at a time (`moe.kernels.expert_ffn`);
 - torchtitan 0.3's `MoE` (softmax top-K, `route_norm`, its grouped experts);
 - Megatron-core 0.16's `MoELayer` (softmax top-K, all-gather dispatcher, SequentialMLP: its
   GroupedMLP needs the grouped_gemm package) through the test-only CPU shims;
@@ -54,6 +56,21 @@ def _ours(d, f, e, k, router="topk"):
     options = {"renormalize": True} if router == "topk" else {}  # softmax top-K (the default scores)
     layer = MoE(MoEConfig(dim=d, hidden_dim=f, num_experts=e, top_k=k, router=router, router_options=options))
     return lambda x: layer(x[None])[0], layer
+
+
+def _ours_whole_row(d, f, e, k):
+    from moe.kernels import expert_ffn
+
+    run, layer = _ours(d, f, e, k)
+
+    def whole_row(x):  # the form is chosen in the forward; the backward follows it
+        kept, expert_ffn.DTYPES = expert_ffn.DTYPES, ()
+        try:
+            return run(x)
+        finally:
+            expert_ffn.DTYPES = kept
+
+    return whole_row, layer
 
 
 def _titan(d, f, e, k):
@@ -110,6 +127,7 @@ def _dense(d, f, e, k):
 CONTENDERS = {
     "ours": _ours,
     "ours BASE": lambda d, f, e, k: _ours(d, f, e, k, router="base"),
+    "ours whole-row": _ours_whole_row,
     "torchtitan": _titan,
     "Megatron": _megatron,
     "Mixtral eager": lambda d, f, e, k: _mixtral(d, f, e, k, "eager"),

@@ -5,7 +5,9 @@ Legend: M rows sorted by expert, D model dim, F expert hidden dim, E experts.
     swiglu:  y = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]
     gelu / relu:  y = act(x @ w1[e]) @ w2[e]
 
-with w1, w3: (E, D, F) and w2: (E, F, D), each product one `grouped_mm` over all experts.
+with w1, w3: (E, D, F) and w2: (E, F, D), each product one `grouped_mm` over all experts; on
+CPU, SwiGLU experts with large hidden activations run one expert at a time instead
+(`moe.kernels.expert_ffn`), with the same results bit for bit.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .kernels import PermuteInfo, gather_grouped_mm, grouped_mm, grouped_mm_scatter, swiglu
+from .kernels import PermuteInfo, gather_grouped_mm, grouped_mm, grouped_mm_scatter, swiglu, swiglu_ffn
+from .kernels.expert_ffn import use_swiglu_ffn
+from .kernels.grouped_mm import resolve_backend
 
 __all__ = ["GroupedExperts", "SharedExperts"]
 
@@ -44,6 +48,8 @@ class GroupedExperts(nn.Module):
         once `moe.parallel.parallelize_moe` has made the weights DTensors (their local shards
         are used; a hidden-dim shard gives a partial sum of the output)."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        if w3 is not None and use_swiglu_ffn(x_MD, w1, resolve_backend(self.backend, x_MD)):
+            return swiglu_ffn(x_MD, w1, w3, w2, counts_E)
         h = grouped_mm(x_MD, w1, counts_E, backend=self.backend)
         up = grouped_mm(x_MD, w3, counts_E, backend=self.backend) if w3 is not None else None
         return grouped_mm(_activate(self.activation, h, up), w2, counts_E, backend=self.backend)

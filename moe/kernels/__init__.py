@@ -4,6 +4,7 @@ Imports nothing else of ``moe``. Each op has a pure-torch reference in `referenc
 """
 
 from .activation import swiglu
+from .expert_ffn import swiglu_ffn
 from .fused import gather_grouped_mm, grouped_mm_scatter
 from .grouped_mm import BACKENDS, grouped_mm
 from .permute import PermuteInfo, permute, permute_rows, sort_slots, unpermute
@@ -21,6 +22,7 @@ __all__ = [
     "permute_rows",
     "sort_slots",
     "swiglu",
+    "swiglu_ffn",
     "unpermute",
     "unpermute_ref",
 ]
