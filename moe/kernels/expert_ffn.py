@@ -69,10 +69,11 @@ def _spans(rows: list[int]) -> list[tuple[int, int, int]]:
 
 class _SwiGLUFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts_E: Tensor) -> Tensor:
+    def forward(ctx, x_MD: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts_E: Tensor, saved: bool) -> Tensor:
+        # saved: whether a backward may follow (grad mode is off in here, so the caller says);
+        # else, as in inference, gate and up are one expert's rows too
         rows = _check_counts(counts_E, x_MD.shape[0])
         (m, d), f, n_max = x_MD.shape, w1.shape[2], max(rows, default=0)
-        saved = any(ctx.needs_input_grad)  # else (inference) gate and up are one expert's too
         gate, up = (workspace.empty((m if saved else n_max, f), x_MD.dtype, x_MD.device) for _ in range(2))
         out = workspace.empty((m, d), x_MD.dtype, x_MD.device)
         prod = workspace.empty((n_max, f), x_MD.dtype, x_MD.device)  # one expert's
@@ -95,7 +96,7 @@ class _SwiGLUFFN(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: autograd's own ops, so higher derivatives flow
             plain = lambda *ts: _whole(*ts, counts_E)  # noqa: E731
-            return (*workspace.tracked_grads(plain, (x_MD, w1, w3, w2), needs[:4], dy_MD), None)
+            return (*workspace.tracked_grads(plain, (x_MD, w1, w3, w2), needs[:4], dy_MD), None, None)
         dy_MD = dy_MD.to(x_MD.dtype).contiguous()  # e.g. the stride-0 gradient of y.sum()
         rows, (m, d), f = ctx.rows, x_MD.shape, w1.shape[2]
 
@@ -129,20 +130,29 @@ class _SwiGLUFFN(torch.autograd.Function):
             if dx is not None:  # the two projections' parts summed as autograd sums them
                 torch.mm(dg, w1[e].T, out=dx[i:j])
                 dx[i:j].add_(torch.mm(du, w3[e].T, out=part[:n]))
-        return dx, dw1, dw3, dw2, None
+        return dx, dw1, dw3, dw2, None, None
 
 
 def swiglu_ffn(x_MD: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts_E: Tensor) -> Tensor:
     """``grouped_mm(swiglu(grouped_mm(x, w1), grouped_mm(x, w3)), w2)`` one expert at a time:
     (M, D) rows sorted by expert, w1 and w3 (E, D, F), w2 (E, F, D), counts (E,) -> (M, D),
     differentiable in x and the weights, with the same results bit for bit. On eager CPU
-    tensors; elsewhere (GPUs, ``torch.func``, tracing, dispatch modes) it is that composition."""
+    tensors; elsewhere (GPUs, ``torch.func``, tracing, dispatch modes) it is that composition.
+    x, counts and w1 are checked as `grouped_mm`'s x, counts and w. Under the profiler the call
+    is named ``moe::swiglu_ffn``."""
     _check(x_MD, w1, counts_E, False, "torch")
-    if not isinstance(w3, Tensor) or w3.shape != w1.shape or w3.dtype != w1.dtype:
-        raise ValueError(f"w3 must be a tensor of w1's shape {tuple(w1.shape)} and dtype, got {_describe(w3)}")
-    _check(x_MD.new_empty(0, w1.shape[2]), w2, counts_E, False, "torch")
-    if w2.shape[2] != x_MD.shape[1]:
-        raise ValueError(f"w2 must be (E, F, D) = (E, {w1.shape[2]}, {x_MD.shape[1]}), got {_describe(w2)}")
+    e, d, f = w1.shape
+    for name, w, shape in (("w3", w3, (e, d, f)), ("w2", w2, (e, f, d))):
+        if not isinstance(w, Tensor) or tuple(w.shape) != shape or w.dtype != w1.dtype or w.device != w1.device:
+            raise ValueError(
+                f"{name} must be an {shape} tensor of w1's dtype {w1.dtype} on {w1.device}, got {_describe(w)}"
+                + (f" on {w.device}" if isinstance(w, Tensor) else "")
+            )
     if not _eager_cpu(x_MD, w1):
         return _whole(x_MD, w1, w3, w2, counts_E)
-    return _SwiGLUFFN.apply(x_MD.contiguous(), w1, w3, w2, counts_E.to(torch.int64))
+    saved = torch.is_grad_enabled() and any(t.requires_grad for t in (x_MD, w1, w3, w2))
+    args = (x_MD.contiguous(), w1, w3, w2, counts_E.to(torch.int64), saved)
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return _SwiGLUFFN.apply(*args)
+    with torch.profiler.record_function("moe::swiglu_ffn"):  # the op's name in a trace
+        return _SwiGLUFFN.apply(*args)

@@ -51,18 +51,22 @@ def test_equals_the_whole_row_form_bit_for_bit(counts, dtype):
             assert all(bool((g[1] == 0).all()) for g in ours[2:])
 
 
-def test_inference_keeps_no_hidden_activations_of_all_rows():
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no input needs a gradient"])
+def test_inference_keeps_no_hidden_activations_of_all_rows(mode, monkeypatch):
     inputs, c = problem([300, 0, 212], 32, 64, torch.float32)
-    with torch.no_grad():
-        y = swiglu_ffn(*inputs, c)
-    torch.testing.assert_close(y, whole_row(*inputs, c), rtol=0, atol=0)
+    if mode != "no input needs a gradient":
+        inputs = [inputs[0]] + [w.requires_grad_() for w in inputs[1:]]  # as a layer's parameters
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, torch.enable_grad)
     made = []
     real = workspace.empty
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(workspace, "empty", lambda shape, *a: made.append(shape) or real(shape, *a))
-        with torch.no_grad():
-            swiglu_ffn(*inputs, c)
+    monkeypatch.setattr(workspace, "empty", lambda shape, *a: made.append(shape) or real(shape, *a))
+    with context():
+        y = swiglu_ffn(*inputs, c)
+    assert not y.requires_grad
     assert (512, 64) not in made and made.count((300, 64)) == 3  # gate, up and product: one expert's rows
+    monkeypatch.undo()
+    with torch.no_grad():
+        torch.testing.assert_close(y, whole_row(*inputs, c), rtol=0, atol=0)
 
 
 def test_only_the_gradients_asked_for():
@@ -97,6 +101,14 @@ def test_autograd_keeps_gate_and_up_not_the_product():
     assert saved_hidden(whole_row) == 4  # gate, up, silu(gate) and the product
 
 
+def test_a_trace_names_it():
+    inputs, c = problem([300, 212], 32, 64, torch.float32)
+    with torch.profiler.profile() as prof:
+        swiglu_ffn(*[t.requires_grad_() for t in inputs], c).sum().backward()
+    keys = {ev.key for ev in prof.key_averages()}
+    assert "moe::swiglu_ffn" in keys and "_SwiGLUFFNBackward" in keys
+
+
 def test_retain_graph_and_higher_derivatives():
     inputs, c = problem([3, 0, 4], 5, 6, torch.float64)
     leaves = [t.requires_grad_() for t in inputs]
@@ -124,11 +136,14 @@ def test_compiles_to_the_whole_row_form():
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda ts, c: (ts[0], ts[1], ts[2][:, :, :-1], ts[3], c), "w3 must be a tensor of w1's shape"),
-        (lambda ts, c: (ts[0], ts[1], ts[2], ts[3][:, :-1], c), "inner dim"),
-        (lambda ts, c: (ts[0], ts[1], ts[2], ts[3][:, :, :-1], c), "w2 must be"),
+        (lambda ts, c: (ts[0], ts[1], ts[2][:, :, :-1], ts[3], c), r"w3 must be an \(2, 16, 24\) tensor"),
+        (lambda ts, c: (ts[0], ts[1], ts[2], ts[3][:, :-1], c), r"w2 must be an \(2, 24, 16\) tensor"),
+        (lambda ts, c: (ts[0], ts[1], ts[2], ts[3][:, :, :-1], c), r"w2 must be an \(2, 24, 16\) tensor"),
+        (lambda ts, c: (ts[0], ts[1], ts[2], ts[3][:1], c), r"w2 must be .* got shape \(1, 24, 16\)"),
+        (lambda ts, c: (ts[0], ts[1][:1], ts[2], ts[3], c), "counts must have one entry per expert"),
         (lambda ts, c: (ts[0], ts[1], ts[2], ts[3], c + 1), "sum to the M = 32 rows"),
-        (lambda ts, c: (ts[0], ts[1], ts[2].double(), ts[3], c), "w3 must be a tensor of w1's shape"),
+        (lambda ts, c: (ts[0], ts[1], ts[2].double(), ts[3], c), "of w1's dtype torch.float32 on cpu, got .*float64"),
+        (lambda ts, c: (ts[0], ts[1], ts[2].to("meta"), ts[3], c), "w3 must be .* on cpu, got .* on meta"),
     ],
 )
 def test_bad_input_raises(change, match):
