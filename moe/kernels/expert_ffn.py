@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import workspace
 from .activation import swiglu
@@ -34,11 +33,6 @@ DTYPES = (torch.float32,)
 MIN_ROWS_PER_EXPERT = 128
 
 
-def _eager_cpu(x_MD: Tensor, w1: Tensor) -> bool:
-    """CPU tensors outside dispatch modes, transforms and tracing (`workspace.usable`)."""
-    return workspace.usable(x_MD, w1) and _get_current_dispatch_mode() is None
-
-
 def use_swiglu_ffn(x_MD: Tensor, w1: Tensor, backend: str) -> bool:
     """Whether a layer's experts take `swiglu_ffn`: the "torch" backend on eager CPU tensors of
     `DTYPES`, with at least `MIN_ROWS_PER_EXPERT` rows an expert on average."""
@@ -46,7 +40,7 @@ def use_swiglu_ffn(x_MD: Tensor, w1: Tensor, backend: str) -> bool:
         backend == "torch"
         and x_MD.dtype in DTYPES
         and x_MD.shape[0] >= MIN_ROWS_PER_EXPERT * w1.shape[0]
-        and _eager_cpu(x_MD, w1)
+        and workspace.eager(x_MD, w1)
     )
 
 
@@ -148,7 +142,7 @@ def swiglu_ffn(x_MD: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts_E: Tenso
                 f"{name} must be an {shape} tensor of w1's dtype {w1.dtype} on {w1.device}, got {_describe(w)}"
                 + (f" on {w.device}" if isinstance(w, Tensor) else "")
             )
-    if not _eager_cpu(x_MD, w1):
+    if not workspace.eager(x_MD, w1):
         return _whole(x_MD, w1, w3, w2, counts_E)
     saved = torch.is_grad_enabled() and any(t.requires_grad for t in (x_MD, w1, w3, w2))
     args = (x_MD.contiguous(), w1, w3, w2, counts_E.to(torch.int64), saved)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch import library as torch_library
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import workspace
 from .dtypes import MATMUL_DTYPES
@@ -250,7 +249,7 @@ def grouped_mm(
         raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
     backend = resolve_backend(backend, x_MI)
     args = (x_MI.contiguous(), w_EIN, counts_E.to(torch.int64), trans_w, backend, out_dtype or x_MI.dtype)
-    if backend == "torch" and workspace.usable(x_MI, w_EIN) and _get_current_dispatch_mode() is None:
+    if backend == "torch" and workspace.eager(x_MI, w_EIN):
         if not torch.autograd.profiler._is_profiler_enabled:
             return _EagerGroupedMM.apply(*args)  # under a dispatch mode the op stays one opaque call
         with torch.profiler.record_function("moe::grouped_mm"):  # the op's name in a trace

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["MIN_BYTES", "empty", "kept_bytes", "release", "set_limit", "tracked_grads", "usable"]
+__all__ = ["MIN_BYTES", "eager", "empty", "kept_bytes", "release", "set_limit", "tracked_grads", "usable"]
 
 MIN_BYTES = 1 << 20  # smaller tensors come from the heap, whose pages are already touched
 _limit = [2 << 30]  # bytes each thread keeps at most
@@ -42,6 +42,12 @@ def usable(*tensors: Tensor) -> bool:
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     forward_ad = getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
     return tensors[0].device.type == "cpu" and not forward_ad and not any(wrapped(t) for t in tensors)
+
+
+def eager(*tensors: Tensor) -> bool:
+    """`usable`, and outside any Python dispatch mode: where an op may skip the custom op's
+    dispatch and run its autograd function on the tensors themselves."""
+    return usable(*tensors) and _get_current_dispatch_mode() is None
 
 
 def tracked_grads(plain, inputs: tuple, needs: tuple[bool, ...], grad_out: Tensor) -> tuple[Tensor | None, ...]:
