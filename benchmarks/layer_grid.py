@@ -5,6 +5,7 @@ default; ``--device cuda --dtype bfloat16`` on a GPU).
     python -m benchmarks.layer_grid --points small mid   # and D/F = 1024/2816 at T <= 2048
     python -m benchmarks.layer_grid --T 2048 --D 256 --F 512 --E 8 --K 2   # one point
     python -m benchmarks.layer_grid --apart --touch 64   # each alone; 64 MiB of fresh memory between steps
+    python -m benchmarks.layer_grid --T 2048 --D 1024 --F 2816 --E 64 --K 8 --profile --gemms   # where the time goes
 
 At every point the contenders take turns within each repeat (one warm-up each, then
 --repeats), and the table gives each one's median ms, the min-max spread, and the ratios the
@@ -175,11 +176,57 @@ def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32, apart
 
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+BACKWARD = "layer_grid::backward"
 
 
-def profile_point(t, d, f, e, k, only, steps: int = 5, dtype=torch.float32) -> list[str]:
+def _profiled_step(run, module, x) -> None:
+    """`train_step` with its backward inside a profiler range, so each GEMM's pass is known."""
+    from torch.profiler import record_function
+
+    out = run(x.detach().requires_grad_()).square().mean()
+    with record_function(BACKWARD):
+        out.backward()
+    module.zero_grad(set_to_none=True)
+
+
+def _matrices(name: str, shapes):
+    """The two matrices of a GEMM's input shapes: addmm's bias and scalars and an ``out=``
+    tensor left out."""
+    return [s for s in shapes[name == "aten::addmm" :] if len(s) >= 2][:2]
+
+
+def gemm_role(name: str, shapes, widths: set[int], backward: bool) -> str:
+    """Which GEMM of a layer a (M, K) x (K, N) call is, from its shapes: ``forward`` and ``dX``
+    make rows x a width; ``dW`` sums over the rows into a weight, both of whose sides are among
+    ``widths`` (D, F, 2F where gate and up are one matrix, E for the router). A dX whose rows
+    equal a width reads as dW."""
+    (*_, m, _), (*_, n) = _matrices(name, shapes)
+    return "dW" if backward and m in widths and n in widths else ("dX" if backward else "forward")
+
+
+def gemm_roles(events, widths: set[int], steps: int) -> dict[str, tuple[float, float, float]]:
+    """Per role (`gemm_role`): calls, self CPU ms and GFLOP a step, from a profile recorded
+    with shapes over `_profiled_step`s."""
+    spans = [(ev.time_range.start, ev.time_range.end) for ev in events if ev.name == BACKWARD]
+    roles: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.name not in GEMMS or len(_matrices(ev.name, ev.input_shapes)) < 2:
+            continue
+        start = ev.time_range.start
+        role = gemm_role(ev.name, ev.input_shapes, widths, any(a <= start <= b for a, b in spans))
+        (*batch, m, kk), (*_, n) = _matrices(ev.name, ev.input_shapes)
+        acc = roles.setdefault(role, [0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += ev.self_cpu_time_total / 1e3
+        acc[2] += 2 * m * kk * n * (batch[0] if batch else 1) / 1e9
+    return {role: tuple(v / steps for v in acc) for role, acc in sorted(roles.items())}
+
+
+def profile_point(t, d, f, e, k, only, steps: int = 5, dtype=torch.float32, gemms=None) -> list[str]:
     """Where a forward + backward's time goes, per contender: torch.profiler's self CPU time per
-    step, split into the GEMMs and everything else, and the aten calls (after 3 warm-up steps)."""
+    step, split into the GEMMs and everything else, and the aten calls (after 3 warm-up steps).
+    With a list as ``gemms``, each contender's GEMMs by role go into it as rows (contender, role,
+    calls, ms, GFLOP and GFLOP/s a step)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
@@ -192,14 +239,17 @@ def profile_point(t, d, f, e, k, only, steps: int = 5, dtype=torch.float32) -> l
         module.to(dtype=dtype)
         for _ in range(3):
             train_step(run, module, x)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=gemms is not None) as prof:
             for _ in range(steps):
-                train_step(run, module, x)
+                _profiled_step(run, module, x)
         events = prof.key_averages()
-        total = sum(ev.self_cpu_time_total for ev in events) / steps / 1e3
+        total = sum(ev.self_cpu_time_total for ev in events if ev.key != BACKWARD) / steps / 1e3
         gemm = sum(ev.self_cpu_time_total for ev in events if ev.key in GEMMS) / steps / 1e3
         calls = sum(ev.count for ev in events if ev.key.startswith("aten::")) / steps
         lines.append(f"| {name} | {total:.1f} | {gemm:.1f} | {total - gemm:.1f} | {calls:.0f} |")
+        if gemms is not None:
+            for role, (n, ms, gflop) in gemm_roles(prof.events(), {d, f, 2 * f, e}, steps).items():
+                gemms.append(f"| {name} | {role} | {n:.0f} | {ms:.1f} | {gflop:.3f} | {gflop / ms * 1e3:.1f} |")
     return lines
 
 
@@ -213,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--only", nargs="+", default=None, choices=sorted(CONTENDERS), help="these contenders only")
     ap.add_argument("--profile", action="store_true", help="with one point: where each contender's time goes")
+    ap.add_argument("--gemms", action="store_true", help="with --profile: each contender's GEMMs by pass and role")
     ap.add_argument(
         "--apart", action="store_true", help="each contender's repeats back to back, not taking turns (as if alone)"
     )
@@ -224,13 +275,19 @@ def main(argv: list[str] | None = None) -> None:
     if any(v is not None for v in one) and None in one:
         ap.error("one point needs all of --T --D --F --E --K")
     points = [one] if None not in one else [p for name in args.points for p in POINTS[name]]
+    if args.gemms and not args.profile:
+        ap.error("--gemms goes with --profile")
     meta = run_meta("benchmarks.layer_grid", argv, torch.device(args.device))
     if args.profile:
         if None in one or args.device != "cpu":
             ap.error("--profile takes one point (--T --D --F --E --K) on the CPU")
         print(f"`{meta['command']}`: {meta['threads']} threads, {meta['date']}, load before {os.getloadavg()[0]:.2f}\n")
         print("| contender | self CPU ms a step | GEMMs | the rest | aten calls |\n|---|---:|---:|---:|---:|")
-        print("\n".join(profile_point(*one, args.only, dtype=getattr(torch, args.dtype))))
+        gemms = [] if args.gemms else None
+        print("\n".join(profile_point(*one, args.only, dtype=getattr(torch, args.dtype), gemms=gemms)))
+        if gemms:
+            head = "| contender | GEMMs | calls a step | ms a step | GFLOP a step | GFLOP/s |"
+            print("\n" + "\n".join([head, "|---|---|---:|---:|---:|---:|", *gemms]))
         print(f"\nload after {os.getloadavg()[0]:.2f}")
         return
     print(

@@ -176,6 +176,33 @@ def test_layer_grid_profile_splits_each_contenders_time(dtype):
         assert 0 < gemm <= total and rest == pytest.approx(total - gemm, abs=0.11) and calls > 0
 
 
+def test_layer_grid_gemm_roles_from_shapes_and_pass():
+    from benchmarks import layer_grid
+
+    def role(shapes, backward, name="aten::mm"):
+        return layer_grid.gemm_role(name, shapes, {64, 128, 256, 4}, backward)
+
+    assert role([[10, 64], [64, 128]], False) == "forward"
+    assert role([[10, 64], [64, 128], [10, 128]], False) == "forward"  # mm's out= tensor
+    assert role([[10, 128], [10, 64], [64, 128], [], []], False, "aten::addmm") == "forward"  # a 2-D bias
+    assert role([[10, 128], [128, 64]], True) == "dX"
+    assert role([[64, 10], [10, 128], [64, 128]], True) == "dW"
+    assert role([[256, 10], [10, 64]], True) == "dW"  # gate and up as one (2F, D)
+    assert role([[64, 10], [10, 4]], True) == "dW"  # the router's (D, E)
+    # the dense floor's three matmuls, and ours: out= GEMMs, one expert at a time at 128 rows an
+    # expert (3 a role an expert), the router's (one a role) and the combine's bmm over the K
+    # slots (forward, and dX of the probabilities): forward, dX and dW told apart
+    for name, t, e, calls in ((layer_grid.DENSE, 256, 4, [3, 3, 3]), ("ours", 512, 2, [8, 8, 7])):
+        gemms = []
+        layer_grid.profile_point(t, 64, 128, e, 2, only=[name], steps=2, gemms=gemms)
+        cells = {row.split("|")[2].strip(): [float(c) for c in row.strip("|").split("|")[2:]] for row in gemms}
+        assert sorted(cells) == ["dW", "dX", "forward"]
+        assert [cells[r][0] for r in ("forward", "dX", "dW")] == calls and all(c[1] > 0 for c in cells.values())
+        # every row through three (D x F) matrices, 2 FLOPs a multiply-add, 3 passes; the router's (D x E) GEMMs
+        flops = 3 * 2 * t * 2 * 64 * 128 + (2 * t * 64 * e if name == "ours" else 0)
+        assert sum(c[2] for c in cells.values()) == pytest.approx(3 * flops / 1e9, abs=0.0031)
+
+
 def test_base_solvers_reads_fairseqs_answer_back_per_token():
     from benchmarks import base_solvers
 
