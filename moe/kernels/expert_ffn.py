@@ -146,7 +146,4 @@ def swiglu_ffn(x_MD: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts_E: Tenso
         return _whole(x_MD, w1, w3, w2, counts_E)
     saved = torch.is_grad_enabled() and any(t.requires_grad for t in (x_MD, w1, w3, w2))
     args = (x_MD.contiguous(), w1, w3, w2, counts_E.to(torch.int64), saved)
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return _SwiGLUFFN.apply(*args)
-    with torch.profiler.record_function("moe::swiglu_ffn"):  # the op's name in a trace
-        return _SwiGLUFFN.apply(*args)
+    return workspace.apply_named("moe::swiglu_ffn", _SwiGLUFFN, *args)

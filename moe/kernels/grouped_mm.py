@@ -250,8 +250,6 @@ def grouped_mm(
     backend = resolve_backend(backend, x_MI)
     args = (x_MI.contiguous(), w_EIN, counts_E.to(torch.int64), trans_w, backend, out_dtype or x_MI.dtype)
     if backend == "torch" and workspace.eager(x_MI, w_EIN):
-        if not torch.autograd.profiler._is_profiler_enabled:
-            return _EagerGroupedMM.apply(*args)  # under a dispatch mode the op stays one opaque call
-        with torch.profiler.record_function("moe::grouped_mm"):  # the op's name in a trace
-            return _EagerGroupedMM.apply(*args)
+        return workspace.apply_named("moe::grouped_mm", _EagerGroupedMM, *args)
+    # under a dispatch mode (and on other backends) the op stays one opaque call
     return _grouped_mm_op(*args)

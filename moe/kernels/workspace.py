@@ -25,7 +25,17 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["MIN_BYTES", "eager", "empty", "kept_bytes", "release", "set_limit", "tracked_grads", "usable"]
+__all__ = [
+    "MIN_BYTES",
+    "apply_named",
+    "eager",
+    "empty",
+    "kept_bytes",
+    "release",
+    "set_limit",
+    "tracked_grads",
+    "usable",
+]
 
 MIN_BYTES = 1 << 20  # smaller tensors come from the heap, whose pages are already touched
 _limit = [2 << 30]  # bytes each thread keeps at most
@@ -48,6 +58,15 @@ def eager(*tensors: Tensor) -> bool:
     """`usable`, and outside any Python dispatch mode: where an op may skip the custom op's
     dispatch and run its autograd function on the tensors themselves."""
     return usable(*tensors) and _get_current_dispatch_mode() is None
+
+
+def apply_named(name: str, function: type[torch.autograd.Function], *args):
+    """``function.apply(*args)`` run directly (where `eager` allows), under ``name`` in a
+    profiler's trace: the name its custom op would show. Without a profiler, no range opens."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return function.apply(*args)
+    with torch.profiler.record_function(name):
+        return function.apply(*args)
 
 
 def tracked_grads(plain, inputs: tuple, needs: tuple[bool, ...], grad_out: Tensor) -> tuple[Tensor | None, ...]:
