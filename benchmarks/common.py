@@ -3,6 +3,7 @@ docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import re
 import statistics
@@ -66,11 +67,13 @@ def timed_turns(
     return samples
 
 
-def train_step(run, module: torch.nn.Module, x: torch.Tensor) -> None:
+def train_step(run, module: torch.nn.Module, x: torch.Tensor, backward_range: str | None = None) -> None:
     """One forward + backward of ``run`` on a fresh leaf copy of ``x`` (the loss the outputs'
-    mean square), then ``module``'s gradients cleared: the step the layer benchmarks time."""
-    x_ = x.detach().requires_grad_()
-    run(x_).square().mean().backward()
+    mean square), then ``module``'s gradients cleared: the step the layer benchmarks time.
+    ``backward_range``: a profiler range of that name around the backward."""
+    loss = run(x.detach().requires_grad_()).square().mean()
+    with torch.profiler.record_function(backward_range) if backward_range else contextlib.nullcontext():
+        loss.backward()
     module.zero_grad(set_to_none=True)
 
 

@@ -179,42 +179,33 @@ GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 BACKWARD = "layer_grid::backward"
 
 
-def _profiled_step(run, module, x) -> None:
-    """`train_step` with its backward inside a profiler range, so each GEMM's pass is known."""
-    from torch.profiler import record_function
-
-    out = run(x.detach().requires_grad_()).square().mean()
-    with record_function(BACKWARD):
-        out.backward()
-    module.zero_grad(set_to_none=True)
-
-
 def _matrices(name: str, shapes):
     """The two matrices of a GEMM's input shapes: addmm's bias and scalars and an ``out=``
     tensor left out."""
     return [s for s in shapes[name == "aten::addmm" :] if len(s) >= 2][:2]
 
 
-def gemm_role(name: str, shapes, widths: set[int], backward: bool) -> str:
-    """Which GEMM of a layer a (M, K) x (K, N) call is, from its shapes: ``forward`` and ``dX``
-    make rows x a width; ``dW`` sums over the rows into a weight, both of whose sides are among
-    ``widths`` (D, F, 2F where gate and up are one matrix, E for the router). A dX whose rows
-    equal a width reads as dW."""
-    (*_, m, _), (*_, n) = _matrices(name, shapes)
+def gemm_role(matrices, widths: set[int], backward: bool) -> str:
+    """Which GEMM of a layer a (M, K) x (K, N) call is, from its two matrices' shapes
+    (`_matrices`): ``forward`` and ``dX`` make rows x a width; ``dW`` sums over the rows into a
+    weight, both of whose sides are among ``widths`` (D, F, 2F where gate and up are one
+    matrix, E for the router). A dX whose rows equal a width reads as dW."""
+    (*_, m, _), (*_, n) = matrices
     return "dW" if backward and m in widths and n in widths else ("dX" if backward else "forward")
 
 
 def gemm_roles(events, widths: set[int], steps: int) -> dict[str, tuple[float, float, float]]:
     """Per role (`gemm_role`): calls, self CPU ms and GFLOP a step, from a profile recorded
-    with shapes over `_profiled_step`s."""
+    with shapes over `train_step`s whose backward is in a `BACKWARD` range."""
     spans = [(ev.time_range.start, ev.time_range.end) for ev in events if ev.name == BACKWARD]
     roles: dict[str, list[float]] = {}
     for ev in events:
-        if ev.name not in GEMMS or len(_matrices(ev.name, ev.input_shapes)) < 2:
+        matrices = _matrices(ev.name, ev.input_shapes) if ev.name in GEMMS else []
+        if len(matrices) < 2:
             continue
         start = ev.time_range.start
-        role = gemm_role(ev.name, ev.input_shapes, widths, any(a <= start <= b for a, b in spans))
-        (*batch, m, kk), (*_, n) = _matrices(ev.name, ev.input_shapes)
+        role = gemm_role(matrices, widths, any(a <= start <= b for a, b in spans))
+        (*batch, m, kk), (*_, n) = matrices
         acc = roles.setdefault(role, [0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += ev.self_cpu_time_total / 1e3
@@ -241,7 +232,7 @@ def profile_point(t, d, f, e, k, only, steps: int = 5, dtype=torch.float32, gemm
             train_step(run, module, x)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=gemms is not None) as prof:
             for _ in range(steps):
-                _profiled_step(run, module, x)
+                train_step(run, module, x, BACKWARD)
         events = prof.key_averages()
         total = sum(ev.self_cpu_time_total for ev in events if ev.key != BACKWARD) / steps / 1e3
         gemm = sum(ev.self_cpu_time_total for ev in events if ev.key in GEMMS) / steps / 1e3

@@ -180,7 +180,7 @@ def test_layer_grid_gemm_roles_from_shapes_and_pass():
     from benchmarks import layer_grid
 
     def role(shapes, backward, name="aten::mm"):
-        return layer_grid.gemm_role(name, shapes, {64, 128, 256, 4}, backward)
+        return layer_grid.gemm_role(layer_grid._matrices(name, shapes), {64, 128, 256, 4}, backward)
 
     assert role([[10, 64], [64, 128]], False) == "forward"
     assert role([[10, 64], [64, 128], [10, 128]], False) == "forward"  # mm's out= tensor
