@@ -46,7 +46,7 @@ import torch
 
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.price_margin import GAP_BINS
-from moe.parallel.price_prices import BINS
+from moe.parallel.price_prices import PAIR_BINS, chain_values
 from moe.parallel.reduction import ShardReduce
 from moe.routing.balanced import assignment_bound, assignment_score, balanced_assignment
 
@@ -277,29 +277,36 @@ def _record_assign(model) -> list[torch.Tensor]:
 def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> dict[str, int]:
     """Where one solve's bytes went, from its collectives (kind, values received, bytes) in the
     order they ran: the header (its maxima), the local start (a cold call's gather; the W x E
-    values a warm call's first update carries), the prices (the updates' sums, the pair rounds'
-    counts and their agreeing max), the margin's
-    counts and rows (from its first count of E + W + 33 values, every band's), the
-    certificate's counts and rows (from its first count of 2W values; where 2W = E + W + 33 its
-    counts read as the margin's)."""
+    values a warm call's first update carries), the prices (the updates' sums of one or two
+    chains' counts, the pair rounds' counts, their agreeing max and the loads that check
+    them), the margin's counts and rows (its first counts, E + W + 33 values, alone or riding
+    on a pair rounds' check, then every band's), the certificate's counts and rows (from its
+    first count of 2W values; where 2W = E + W + 33 its counts read as the margin's)."""
     out = dict.fromkeys(("header", "start", "prices", "margin_counts", "margin_rows", "check_counts", "check_rows"), 0)
     margin_count = experts + world + GAP_BINS + 1
-    phase = "header"
+    chain = chain_values(experts)
+    pair = experts * experts * PAIR_BINS + experts
+    prices = {("sum", chain), ("sum", 2 * chain), ("sum", pair), ("max", experts + 1)}
+    phase, priced = "header", False
     for kind, values, size in log:
         if phase == "header" and kind != "max":
-            phase = "start"
-        if phase == "start":
             phase = "prices"
-        if phase == "prices" and kind == "gather":  # a cold call's local start
-            out["start"] += size
-            continue
-        if phase == "prices" and kind == "sum" and values == experts * (BINS + 2) + world * experts:
-            out["start"] += world * experts * size // values  # a warm call's, on its first update
-            out["prices"] += experts * (BINS + 2) * size // values
-            continue
-        if phase == "prices" and kind == "sum" and values == margin_count:
-            phase = "margin"
-        elif phase == "margin" and kind == "sum" and values == 2 * world != margin_count:
+        if phase == "prices":
+            if kind == "gather" and not priced:  # a cold call's local start
+                out["start"] += size
+                continue
+            priced = True
+            if kind == "sum" and values == chain + world * experts:  # a warm call's, on its first update
+                out["start"] += world * experts * size // values
+                out["prices"] += chain * size // values
+                continue
+            if kind == "sum" and values == experts + margin_count:  # a check, the margin's first counts on it
+                out["prices"] += experts * size // values
+                out["margin_counts"] += margin_count * size // values
+                continue
+            if (kind, values) not in prices:
+                phase = "margin"
+        if phase == "margin" and kind == "sum" and values == 2 * world != margin_count:
             phase = "check"
         if phase in ("header", "prices"):
             out[phase] += size

@@ -275,24 +275,34 @@ def test_global_base_benchmark_rows_on_random_and_training_scores():
 
 
 def test_global_base_bytes_by_part_follow_the_solve_phases():
-    """A cold solve's collectives in order (W = 4, E = 8: the margin counts 8 + 4 + 33 values,
-    the certificate's 8): the header's maxima, the start's gather, the price sums and the pair
-    rounds' max, two margin counts (a band grown) with a gather each, two certificate rounds."""
+    """A cold solve's collectives in order (W = 4, E = 8: a chain's counts 8 x 18 + 33 values,
+    the margin counts 8 + 4 + 33, the certificate's 8): the header's maxima, the start's
+    gather, the price sums and the pair rounds' counts and max, a check that fails (the
+    margin's counts on it) and one that holds, a band grown with a gather each, two
+    certificate rounds."""
     from benchmarks.global_base import bytes_by_part
 
-    log = [("max", 44, 1), ("max", 1, 2), ("gather", 32, 4), ("sum", 144, 8), ("sum", 256, 16), ("max", 9, 32)]
-    log += [("sum", 45, 64), ("gather", 300, 128), ("sum", 45, 256), ("gather", 100, 512)]
-    log += [("sum", 8, 1024), ("gather", 20, 2048), ("sum", 8, 4096)]
+    log = [("max", 44, 1), ("max", 1, 2), ("gather", 32, 4), ("sum", 177, 8), ("sum", 354, 16), ("sum", 264, 32)]
+    log += [("max", 9, 64), ("sum", 8 + 45, 53 * 128), ("sum", 264, 256), ("max", 9, 512), ("sum", 53, 53 * 1024)]
+    log += [("gather", 300, 2048), ("sum", 45, 4096), ("gather", 100, 8192)]
+    log += [("sum", 8, 16384), ("gather", 20, 32768), ("sum", 8, 65536)]
     parts = bytes_by_part(log, world=4, experts=8)
     assert parts == dict(
-        header=3, start=4, prices=56, margin_counts=320, margin_rows=640, check_counts=5120, check_rows=2048
+        header=3,
+        start=4,
+        prices=8 + 16 + 32 + 64 + 8 * 128 + 256 + 512 + 8 * 1024,
+        margin_counts=45 * 128 + 45 * 1024 + 4096,
+        margin_rows=2048 + 8192,
+        check_counts=16384 + 65536,
+        check_rows=32768,
     )
-    # a warm call: its first update carries the ranks' own prices (144 + 4 x 8 int32), then
-    # both chains' counts (288 int32)
-    warm = [("max", 44, 1), ("sum", 144 + 32, 176 * 4), ("sum", 288, 288 * 4), ("sum", 45, 64), ("gather", 300, 128)]
+    # a warm call: its first update carries the ranks' own prices (177 + 4 x 8 int32), then
+    # both chains' counts (354 int32)
+    warm = [("max", 44, 1), ("sum", 177 + 32, 209 * 4), ("sum", 354, 354 * 4), ("sum", 45, 64), ("gather", 300, 128)]
     parts = bytes_by_part(warm, 4, 8)
-    assert parts["start"] == 32 * 4 and parts["prices"] == 144 * 4 + 288 * 4 and parts["margin_rows"] == 128
-    without = bytes_by_part([("max", 44, 1), ("sum", 144, 8), ("sum", 45, 64), ("gather", 300, 128)], 4, 8)
+    assert parts["start"] == 32 * 4 and parts["prices"] == 177 * 4 + 354 * 4 and parts["margin_counts"] == 64
+    assert parts["margin_rows"] == 128
+    without = bytes_by_part([("max", 44, 1), ("sum", 177, 8), ("sum", 45, 64), ("gather", 300, 128)], 4, 8)
     assert without["start"] == 0 and without["prices"] == 8 and without["margin_rows"] == 128
 
 

@@ -15,8 +15,9 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    its own tokens alone (no collective) and one gather of W x E float32 gives every rank the
    per-expert median of those prices (a rank's tokens are a sample of the group's; the median
    keeps one rank's outlying price off the start). Then damped Jacobi updates, one sum of E x
-   18 int32 counts each (and each more chain's, below: `price_prices`), until the loads miss
-   the capacities by at most E slots in all, or at most 40 updates from zero prices and 20 from
+   18 + 33 int32 counts each (the thresholds' histograms and the tokens by margin; and each
+   more chain's, below: `price_prices`), until the loads miss the capacities by at most E
+   slots in all, or at most 40 updates from zero prices and 20 from
    given ones, a previous call's or the local start's (`PRICE_ITERS`); from given ones, also
    once two updates have taken less than a fifth off the miss (stalled: a trained router's
    scores, where each further update buys little and costs a round). A warm call runs the local
@@ -30,13 +31,13 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    band: a previous call's prices are the optimum of other tokens, and on a trained router's
    scores they can sit further from this call's than the ranks' own solves of it. Where the
    kept updates stall or reach their cap, 3 pair rounds follow (`price_prices.pair_prices`)
-   when their E x E x 4 int32 counts (and their 5 rounds, at ``round_bytes`` each where given)
+   when their E x E x 4 int32 counts (and their 4 rounds, at ``round_bytes`` each where given)
    cost less than the eighth of the tokens the margin would otherwise hold: the tokens counted
    by the pair of experts they stand between and their margin, from which every rank moves the
    prices alike; one max of the prices and the last move then agrees on their bits, and one sum
-   of the loads checks them: where the loads miss by more than before, they run again with a
-   narrower window, and where no try helps the prices stay as they were (at E = 256 they cost
-   more);
+   of the loads checks them, with the margin's first counts at them (step 3) on it: where the
+   loads miss by more than before, they run again with a narrower window, and where no try
+   helps the prices stay as they were (at E = 256 they cost more);
 3. the margin (`price_margin`): every token picks its K best under the prices; those whose
    K-th choice is ahead of the next by less than a band (the last price move, per expert, grown
    where the fixed tokens overfill an expert or the gathered rows cannot fill one) travel as
@@ -68,7 +69,7 @@ from torch import Tensor
 
 from ..routing.balanced import _Capacities, _check, _check_extras, _jitter_pattern, _sub_transposed, balanced_prices
 from ..routing.config import check_float
-from .price_margin import solve_margin
+from .price_margin import MarginStart, solve_margin
 from .price_prices import capacities, jacobi_prices, pair_prices, pair_rounds_pay
 from .price_rows import margin_row_bytes
 from .reduction import Reduction
@@ -240,13 +241,14 @@ def price_balanced_assignment(
         late = None  # a warm call's local start: it rides on the first update and joins the second
         if wants_local and prices is not None and max_price_iters > 1:  # its chain joins the second
             late = _local_rows(parts_TE, k, red, extras, eps, unit, max_cycles), _rows_median
-        p, stats.price_updates, width, converged, _, which = jacobi_prices(
+        p, stats.price_updates, width, converged, _, which, gaps = jacobi_prices(
             s_parts, caps, k, red, [start], max_iters=max_price_iters, tol=num_experts, late=late
         )
         given = prices is not None and start is not None
         stats.start = "zero" if start is None else "given" if given and which == 0 else "local"
         row = margin_row_bytes(total, num_experts, k, dtype)
         spared = CAPPED_SHARE * total * row  # what a margin of the capped eighth would send
+        first = None  # the margin's first counts, where they rode on the pair rounds' check
         if (
             stats.start != "zero"
             and not converged
@@ -256,17 +258,21 @@ def price_balanced_assignment(
             # stalled or capped: the pair rounds cost less than the wide margin they spare
             # (their windows suit prices a few 1e-3 off; the cold updates' slow modes are
             # further, and there they widened the margin)
-            q, n, q_width, fell = pair_prices(s_parts, caps, k, red, p)
+            q, n, q_width, first = pair_prices(
+                s_parts, caps, k, red, p, lambda q_E, w: MarginStart(s_parts, q_E, w, k, red)
+            )
             stats.price_updates += n
-            if fell:  # else the prices as they were, and the margin of a stalled call
+            if first is not None:  # else the prices as they were, and the margin of a stalled call
                 p, width, converged = q, q_width, True
         cap = capacities(caps, p)
         delta = max(eps, 8 * torch.finfo(dtype).eps)
         budget = total * k + num_experts if max_cycles is None else max_cycles
         # capped or stalled: the prices are further off than their last move
         min_rows = min(max(MIN_ROWS * num_experts, 0 if converged else int(CAPPED_SHARE * total)), total)
+        if first is None:  # at the updates' prices, their tokens by margin counted where they stopped
+            first = MarginStart(s_parts, p, width, k, red, gaps, min_rows)
         out, p_final, ok = solve_margin(
-            s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats
+            s_parts, starts, sizes, first, cap, caps, k, red, delta, budget, min_rows, stats
         )
         if not ok:
             warnings.warn(

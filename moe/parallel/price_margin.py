@@ -8,7 +8,8 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    of the next by less than a band are margin rows, the rest are fixed. The band is the last
    price move (what the prices are known to), at least 1e-6. One sum of E + W + 33 values (the
    fixed tokens' loads, the margin rows per rank, every token counted by its margin in bins
-   growing 2x) and one gather of the margin rows give every rank the same residual problem,
+   growing 2x; where the pair rounds ran, on the sum that checks them: `MarginStart`) and one
+   gather of the margin rows give every rank the same residual problem,
    which each solves the same way: the greedy fill into the room the fixed tokens leave, then
    exchange cycles (`moe.routing.exchange`). A row carries the token's K + 3 best experts under
    the prices, its slots first, not all E, and travels as bytes: the experts (uint8 up to 256)
@@ -17,8 +18,9 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    other columns count as ``UNSENT``, below every score. Fewer rows in the band than asked for
    (2E, or an eighth of the tokens where the price updates reached their cap or stalled and no
    pair rounds followed or helped: `price_base`) widen it first, to the bin edge with enough
-   below it (one more sum): so thin a margin leaves the cycles too few moves to take up the
-   loads' last misses, the certificate's prices move far from the picks' and many fixed tokens
+   below it (one more sum; none where the price updates stopped, since each of their sums
+   counted the tokens by margin at its prices too): so thin a margin leaves the cycles too
+   few moves to take up the loads' last misses, the certificate's prices move far from the picks' and many fixed tokens
    fail. Each expert has its own band, which a token takes at the widest of its slots': where
    the fixed tokens overfill experts, their bands alone grow 4x (one more sum each), so a
    cluster of near-equal tokens on the wrong side of one boundary widens that boundary, not
@@ -70,13 +72,12 @@ from torch import Tensor
 from ..routing.balanced import _fill
 from ..routing.cycle_graph import _Graph
 from ..routing.exchange import held_mask, violations
-from .price_prices import pick
+from .price_prices import GAP_BINS, MIN_BAND, gap_counts, gap_edges, pick
 from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
 
-__all__ = ["GAP_BINS", "LAST_CHECK", "solve_margin"]
+__all__ = ["GAP_BINS", "LAST_CHECK", "MarginStart", "solve_margin"]
 
 BAND = 1.0  # the first margin band, in units of the last price move
-MIN_BAND = 1e-6
 LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 PULL_SHARE = 8  # a pull, not every band 4x, where it adds at most 1 / PULL_SHARE of what they would
 STEP = 4  # a band's growth: where fixed tokens overfill, where the fill fails, and as weighed
@@ -89,18 +90,52 @@ GROW = 2
 # call traced rose by 2,500 and its certificate sent 11,241 rows (docs/benchmarks.md, "An
 # expert the cycles price out")
 RISE = STEP**3
-GAP_BINS = 32  # the margin's counts also count the tokens by margin, in bins growing 2x from MIN_BAND
 ROW_BLOCK = 1 << 15  # gathered rows updated at a time by a certificate round
 
 
-def solve_margin(s_parts, starts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows, stats):
-    """Steps 3 and 4 on the normalised shards (E, T) at the prices ``p`` (E,) (``cap``: the
-    capacities there, ``width``: the last price move), the band widened to hold at least
-    ``min_rows`` tokens. Fills ``stats``' margin rows, cycles and checks. Returns (slots
-    (T, K) per shard, the certificate's prices (E,) float64 with mean zero, certified: False
-    where the cycle budget ran out first)."""
-    margin = _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows)
+def solve_margin(s_parts, starts, sizes, first, cap, caps, k, red, delta, budget, min_rows, stats):
+    """Steps 3 and 4 on the normalised shards (E, T) from the margin's start ``first``
+    (`MarginStart`: its prices and first band; ``cap``: the capacities at them), the band
+    widened to hold at least ``min_rows`` tokens. Fills ``stats``' margin rows, cycles and
+    checks. Returns (slots (T, K) per shard, the certificate's prices (E,) float64 with mean
+    zero, certified: False where the cycle budget ran out first)."""
+    margin = _gather_margin(s_parts, sizes, first, cap, caps, k, red, delta, budget, min_rows)
     return _certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats)
+
+
+class MarginStart:
+    """The margin's first counts at the agreed prices ``p`` (E,), before any collective: every
+    token's pick, the first band (the last price move ``width``, at least `MIN_BAND`) and each
+    rank's counts to sum (`_margin_counts`). With ``gaps``, the group's tokens by margin at
+    ``p`` (`price_prices.gap_counts`, summed where the price updates stopped), a band that
+    surely holds fewer than ``min_rows`` tokens (fewer lie below the first bin edge at or above
+    it) starts at the first edge with enough below it: the band its first sum would have
+    widened it to, without that sum. Where the band lies in the bin of that edge, it may hold
+    enough and stays (the same band as without ``gaps``: starting at the edge there cost a
+    replayed call 3% more rows and spared no round, docs/benchmarks.md, "The margin's counts
+    on the rounds before it"). ``summed``: the counts' sum, where it rode on an earlier
+    collective (`price_prices.pair_prices`), else None."""
+
+    def __init__(self, s_parts, p, width: float, k: int, red, gaps: Tensor | None = None, min_rows: int = 0):
+        num_experts = s_parts[0].shape[0]
+        self.p = p
+        self.p1 = p.to(s_parts[0].dtype)[:, None]
+        self.picks = [pick(s, self.p1, k) for s in s_parts]
+        b = max(BAND * width, MIN_BAND)
+        if gaps is not None and b <= 4.0:  # past 4 the margin is the whole problem
+            edges = gap_edges()
+            below = gaps[:GAP_BINS].cumsum(0)  # the tokens below each edge
+            above = int((edges < b).sum())  # the first edge at or above the band bounds its rows
+            if above < GAP_BINS and int(below[above]) < min_rows:
+                b = max(b, float(edges[min(int((below < min_rows).sum()), GAP_BINS - 1)]))
+        self.band = torch.full((num_experts,), b, dtype=torch.float64)  # per expert held
+        self.pull = torch.zeros(num_experts, dtype=torch.float64)  # per expert short of rows
+        self.by_gap = [gap_counts(m) for _, m in self.picks]
+        last, near, want, self.counts = _margin_counts(
+            s_parts, self.p1, self.picks, self.by_gap, self.band, self.pull, red
+        )
+        self.first = (last, near, want)
+        self.summed: Tensor | None = None
 
 
 @dataclass
@@ -118,19 +153,17 @@ class _Margin:
     cols: int  # the columns a row carries
 
 
-def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, min_rows) -> _Margin:
+def _gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, budget, min_rows) -> _Margin:
     """Step 3: the bands grow until the fixed tokens leave room the gathered rows can fill on
     the columns they carry."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
     world = red.world
-    p1 = p.to(dtype)[:, None]
-    picks = [pick(s, p1, k) for s in s_parts]
+    p, p1, picks, by_gap = first.p, first.p1, first.picks, first.by_gap
     cols = min(num_experts, k + SENT)
     lay = RowLayout.of(sum(sizes), num_experts, k, dtype)
-    band = torch.full((num_experts,), max(BAND * width, MIN_BAND), dtype=torch.float64)  # per expert held
-    pull = torch.zeros(num_experts, dtype=torch.float64)  # per expert short of rows: the tokens this near it
-    edges = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)  # the last is far above 4
+    band, pull = first.band, first.pull
+    edges = gap_edges()
     extra = (cap.cpu() > caps.base).numpy() if caps.movable else None
     # the rows gathered so far: a wider band sends only the tokens it adds (the prices, and so
     # a token's row, stay), each gather a block in rank order after the ones before
@@ -139,12 +172,10 @@ def _gather_margin(s_parts, sizes, p, cap, caps, k, red, delta, budget, width, m
     had_sizes = [0] * world
     mine = [([], [], []) for _ in s_parts]  # per shard: its tokens sent, their rows, their columns
     graph = None
-    # per shard: its tokens by margin (bin i: below edges[i], not below i - 1)
-    by_gap = [
-        torch.bincount(torch.bucketize(m, edges.to(m.device, m.dtype), right=True), minlength=GAP_BINS + 1)
-        for _, m in picks
-    ]
-    agreed = None  # the next band's margin and counts, summed with the last widening's counts
+    # the margin and its summed counts for the next pass: the first band's (where their sum rode
+    # on the pair rounds' check, without a round of its own), then a widening's (summed with
+    # its weighing)
+    agreed = first.first, (red.sum(first.counts).cpu() if first.summed is None else first.summed)
     while True:
         if agreed is None:
             last, near, want, counts = _margin_counts(s_parts, p1, picks, by_gap, band, pull, red)

@@ -34,20 +34,46 @@ OMEGA = 0.7  # damping, as in the single-process solver
 COLD_WIDTH = 1.0  # the window's half-width from p = 0: thresholds lie in [-1, 1]
 WARM_WIDTH = 0.02  # from the previous call's prices; grows when a move reaches its edge
 STALL = 0.8  # stalled: two updates left more than this share of the miss
+MIN_BAND = 1e-6  # the margin's least band (`price_margin`)
+GAP_BINS = 32  # the tokens counted by their margin, in bins growing 2x from MIN_BAND
+
+
+def chain_values(num_experts: int) -> int:
+    """The int32 counts one chain's update sums per rank: its histogram, its tokens by margin."""
+    return num_experts * (BINS + 2) + GAP_BINS + 1
 
 
 def thresholds(s_ET: Tensor, p_E1: Tensor, k: int) -> Tensor:
     """(E, T): the price of e below which token t keeps e among its K best under the other
     prices: ``s[e, t]`` less the K-th best ``s - p`` of the other experts."""
+    return _thresholds(s_ET, p_E1, k)[0]
+
+
+def _thresholds(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`thresholds`, and each token's margin (T,): its K-th best ``s - p`` less the next, the
+    same values as `pick`'s."""
     a = s_ET - p_E1
     if k == 1:  # the two largest by two maxima: the same values as topk's, in about 0.6 of its time
         best = a.amax(0)
         mine = a == best
         second = torch.where(mine.sum(0) > 1, best, a.masked_fill(mine, float("-inf")).amax(0))
-        return s_ET - torch.where(mine, second, best)
+        return s_ET - torch.where(mine, second, best), best - second
     vals = torch.topk(a, k + 1, dim=0).values  # (K+1, T), descending
     mine = a >= vals[k - 1]  # e is among t's K best (ties: both count as held, both see vals[k])
-    return s_ET - torch.where(mine, vals[k], vals[k - 1])
+    return s_ET - torch.where(mine, vals[k], vals[k - 1]), vals[k - 1] - vals[k]
+
+
+def gap_edges() -> Tensor:
+    """(GAP_BINS,) float64: the upper edges of `gap_counts`' bins, ``MIN_BAND * 2**i`` (the last
+    far above 4, where the margin is the whole problem)."""
+    return MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)
+
+
+def gap_counts(margin_T: Tensor) -> Tensor:
+    """(GAP_BINS + 1,) int64: the tokens by their margin, bin i holding those below edge i
+    (`gap_edges`) and not below the edge before (the last: at or above every edge)."""
+    at = torch.bucketize(margin_T, gap_edges().to(margin_T.device, margin_T.dtype), right=True)
+    return torch.bincount(at, minlength=GAP_BINS + 1)
 
 
 def capacities(caps: _Capacities, p_E: Tensor) -> Tensor:
@@ -92,17 +118,23 @@ class _Chain:
         self.width, self.step = (COLD_WIDTH if self.cold else WARM_WIDTH), 0.0
         self.misses: list[int] = []
         self.stop: str | None = None  # "converged", "stalled" or "capped"
+        self.gaps: Tensor | None = None  # the group's tokens by margin (`gap_counts`) at p, once stopped
 
     def counts(self, s_ET: Tensor, k: int) -> Tensor:
-        """This shard's histogram (E, B + 2) at the chain's prices and window."""
+        """This shard's counts at the chain's prices: its histogram (E x (B + 2)) in the window,
+        then its tokens by margin (GAP_BINS + 1), int32."""
         w = torch.full((self.p.shape[0],), self.width, dtype=torch.float64, device=self.p.device)
         self.top, self.h = self.p + w, 2 * w / BINS
         dtype = s_ET.dtype
-        return _histogram(thresholds(s_ET, self.p.to(dtype)[:, None], k), self.top.to(dtype)[:, None],
-                          self.h.to(dtype)[:, None])  # fmt: skip
+        v, margin = _thresholds(s_ET, self.p.to(dtype)[:, None], k)
+        hist = _histogram(v, self.top.to(dtype)[:, None], self.h.to(dtype)[:, None])
+        return torch.cat([hist.flatten(), gap_counts(margin).to(torch.int32)])
 
-    def update(self, counts_EB: Tensor, caps: _Capacities, tol: int) -> bool:
-        """The summed counts: measure the miss, stop or move. Whether it moved."""
+    def update(self, counts: Tensor, caps: _Capacities, tol: int) -> bool:
+        """The summed counts (as `counts` makes them): measure the miss, stop or move. Whether
+        it moved. A chain that stops keeps the tokens by margin at its prices."""
+        num_experts = self.p.shape[0]
+        counts_EB = counts[: num_experts * (BINS + 2)].view(num_experts, BINS + 2)
         cap_E = capacities(caps, self.p)
         loads = counts_EB[:, : BINS // 2 + 1].sum(1)  # thresholds above p: the tokens that pick e now
         self.misses.append(int((loads - cap_E).abs().sum()))
@@ -111,6 +143,7 @@ class _Chain:
         elif not self.cold and len(self.misses) >= 3 and self.misses[-1] > STALL * self.misses[-3]:
             self.stop = "stalled"
         if self.stop:
+            self.gaps = counts[num_experts * (BINS + 2) :].cpu()
             return False
         move = OMEGA * (_crossing(counts_EB, cap_E, self.top, self.h) - self.p)
         self.p = self.p + move
@@ -137,7 +170,8 @@ def jacobi_prices(
 ) -> tuple[Tensor, int, float, bool, int | None, int]:
     """Damped Jacobi prices over every rank's tokens, from each of ``starts`` (prices (E,), or
     None: zeros, a cold start) in the same collectives: one sum per update carries every
-    running chain's counts (E x (B + 2) int32 a chain). ``late``: (per shard an int32 tensor,
+    running chain's counts (E x (B + 2) + GAP_BINS + 1 int32 a chain: the last, its tokens by
+    margin, which the margin reads where the chain stopped at the prices it kept). ``late``: (per shard an int32 tensor,
     a function of their sum giving prices or None): summed with the first update's counts, and
     the prices it gives start one more chain from the second update.
 
@@ -155,8 +189,9 @@ def jacobi_prices(
     chain moved), its last move (what the prices are known to within, roughly), whether they
     converged, and its loads' last measured miss in slots (at the returned prices where it
     stopped early, at the ones before its last move where it reached ``max_iters``; None where
-    no update ran), and which chain it is: its index in ``starts``, or ``len(starts)`` for
-    ``late``'s."""
+    no update ran), which chain it is: its index in ``starts``, or ``len(starts)`` for
+    ``late``'s, and the group's tokens by margin at the returned prices (`gap_counts`), or
+    None where it moved after its last count (it reached ``max_iters``)."""
     num_experts = s_parts[0].shape[0]
     chains = [_Chain(p, num_experts, s_parts[0].device) for p in starts]
     moved = 0
@@ -166,9 +201,10 @@ def jacobi_prices(
         if late is not None:
             parts = [torch.cat([c, x.to(c.device)]) for c, x in zip(parts, late[0], strict=True)]
         summed = red.sum(parts)
-        n = len(running) * num_experts * (BINS + 2)
-        counts = summed[:n].long().view(-1, BINS + 2)  # int32 on the wire: a group's tokens fit
-        if sum([c.update(m, caps, tol) for c, m in zip(running, counts.split(num_experts), strict=True)]):
+        each = chain_values(num_experts)
+        n = len(running) * each
+        counts = summed[:n].long()  # int32 on the wire: a group's tokens fit
+        if sum([c.update(m, caps, tol) for c, m in zip(running, counts.split(each), strict=True)]):
             moved += 1
         if late is not None:
             p_late = late[1](summed[n:].view(red.world, num_experts))
@@ -182,7 +218,7 @@ def jacobi_prices(
             c.stop = c.stop or "capped"
     best = _leader(chains)
     miss = best.misses[-1] if best.misses else None
-    return best.p, moved, best.step, best.stop == "converged", miss, chains.index(best)
+    return best.p, moved, best.step, best.stop == "converged", miss, chains.index(best), best.gaps
 
 
 # Where the Jacobi updates stall (a trained router: many experts within a hair of each other
@@ -197,18 +233,22 @@ PAIR_TRIES = 3  # pair rounds from the same prices, the first window halved each
 _MODEL_STEPS = 50  # Newton steps on the model, each rank alike (numpy, float64)
 
 
+PAIR_TRY_ROUNDS = PAIR_ROUNDS + 1  # the rounds one try adds where it holds: its check is the margin's first sum
+
+
 def pair_bytes(num_experts: int) -> int:
     """Bytes each rank receives over the `PAIR_ROUNDS` pair rounds and the loads that check
-    them (one try of `pair_prices`)."""
-    return (PAIR_ROUNDS * (num_experts * num_experts * PAIR_BINS + num_experts) + num_experts) * 4
+    them (one try of `pair_prices`; the margin's counts on the check are sent with or without
+    them)."""
+    return PAIR_ROUNDS * (num_experts * num_experts * PAIR_BINS + num_experts) * 4 + num_experts * 8
 
 
 def pair_rounds_pay(num_experts: int, spared_bytes: float, round_bytes: float = 0.0) -> bool:
     """Whether the pair rounds cost less than the margin bytes they spare (``spared_bytes``):
-    their counts plus their `PAIR_ROUNDS` + 2 collectives at ``round_bytes`` each (a round's
+    their counts plus their `PAIR_TRY_ROUNDS` collectives at ``round_bytes`` each (a round's
     latency as the bytes the link moves meanwhile; 0 weighs the bytes alone). The solver and
     the planner decide by this one rule."""
-    return pair_bytes(num_experts) + (PAIR_ROUNDS + 2) * round_bytes < spared_bytes
+    return pair_bytes(num_experts) + PAIR_TRY_ROUNDS * round_bytes < spared_bytes
 
 
 def pair_counts(s_ET: Tensor, p_E1: Tensor, k: int, window: float) -> Tensor:
@@ -285,29 +325,37 @@ def model_move(pairs_EEB: np.ndarray, excess_E: np.ndarray, window: float) -> np
 
 
 def pair_prices(
-    s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor
-) -> tuple[Tensor, int, float, bool]:
+    s_parts: list[Tensor], caps: _Capacities, k: int, red: Reduction, p_E: Tensor, margin: Callable
+) -> tuple[Tensor, int, float, object]:
     """`PAIR_ROUNDS` rounds of pair counts from prices ``p``, each moving them by
     `model_move`, the window narrowing by `PAIR_SHRINK`; then one max of the prices and the
     last move, so that every rank holds the same bits whatever its BLAS did, and one sum of
-    the loads at them. The model takes the counts as evenly spread within a bin, which a
-    cluster of near-equal tokens is not: where the loads then miss the capacities by more than
-    at ``p`` (the first round's loads), the rounds run again from ``p`` with half the first
-    window, at most `PAIR_TRIES` times in all. Returns (the prices (E,) float64, the
-    collectives, the last move: what the prices are known to within, roughly; whether the
-    loads' miss did not grow: if it grew on every try, ``p`` itself and a last move of 0)."""
+    the loads at them. That sum also carries the margin's first counts at them (``margin(q,
+    last move)``: a `price_margin.MarginStart`, whose pick gives the loads), so where the try
+    holds they need no round of their own. The model takes the counts as evenly spread within
+    a bin, which a cluster of near-equal tokens is not: where the loads then miss the
+    capacities by more than at ``p`` (the first round's loads), the rounds run again from ``p``
+    with half the first window, at most `PAIR_TRIES` times in all. Returns (the prices (E,)
+    float64, the collectives, the last move: what the prices are known to within, roughly; the
+    margin's start at them, its counts summed, where the loads' miss did not grow; if it grew
+    on every try, ``p`` itself, a last move of 0 and None)."""
     window, used = PAIR_WINDOW, 0
     for _ in range(PAIR_TRIES):
         q, step, before = _pair_rounds(s_parts, caps, k, red, p_E, window)
-        p1 = q.to(s_parts[0].dtype)[:, None]
-        loads = red.sum(
-            [torch.bincount(pick(s, p1, k)[0].flatten(), minlength=s.shape[0]).to(torch.int32) for s in s_parts]
-        )
+        first = margin(q, step)
+        num_experts = s_parts[0].shape[0]
+        summed = red.sum(
+            [
+                torch.cat([torch.bincount(out.flatten(), minlength=num_experts), c])
+                for (out, _), c in zip(first.picks, first.counts, strict=True)
+            ]
+        ).cpu()
         used += PAIR_ROUNDS + 2
-        if int((loads.cpu() - capacities(caps, q).cpu()).abs().sum()) <= before:
-            return q, used, step, True
+        if int((summed[:num_experts] - capacities(caps, q).cpu()).abs().sum()) <= before:
+            first.summed = summed[num_experts:]
+            return q, used, step, first
         window /= 2
-    return p_E.to(torch.float64), used, 0.0, False
+    return p_E.to(torch.float64), used, 0.0, None
 
 
 def pick(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:

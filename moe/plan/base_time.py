@@ -5,9 +5,11 @@ collective's latency, plus the bytes each rank receives over the ep group's band
 Legend: W ep ranks, T tokens per rank, E experts, K experts per token.
 
 What a solve sends (docs/benchmarks.md, "Global BASE by prices", measured on simulated ranks):
-a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E int32
-each), the margin's counts (E + W + 33 int64) and rows (every rank receives all of them: a
-share `margin_share` of the group's W T tokens, at least 2E, each with its K + `SENT` best
+a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E + 33
+int32 each: the histograms and the tokens by margin), the margin's counts (E + W + 33 int64;
+where the updates stopped, their tokens by margin already widened its band to the rows it
+needs, without a sum of its own) and rows (every rank receives all of them: a share
+`margin_share` of the group's W T tokens, at least 2E, each with its K + `SENT` best
 experts as uint8 (int16 beyond 256 experts) and their fp32 scores, without a key:
 `price_rows.margin_row_bytes`) and two certificate checks (2W int64 each). Rounds: 6 +
 `PRICE_UPDATES`, 10-17 measured on random scores at W = 64.
@@ -17,7 +19,8 @@ all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, 
 own passes over its (T, E) scores (histograms, the pick) read them `PASSES` times from HBM.
 This model is of separated (random) scores by default. A trained router's scores
 (`STALLED`): the price updates stall, and the pair rounds follow where their E x E x 4 int32
-counts (and their 5 more rounds, at the router config's ``base_round_bytes`` each) cost less
+counts (and their 4 more rounds, at the router config's ``base_round_bytes`` each: the
+check after them carries the margin's counts) cost less
 than the eighth of the tokens the margin would otherwise hold, the solver's own rule
 (`price_prices.pair_rounds_pay`); docs/scale.md costs that case with the replay's measured
 updates and margin. Every warm solve (the steady state modelled here) also carries each
@@ -38,7 +41,7 @@ import torch
 
 from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE
-from ..parallel.price_prices import BINS, PAIR_ROUNDS, pair_bytes, pair_rounds_pay
+from ..parallel.price_prices import PAIR_ROUNDS, PAIR_TRY_ROUNDS, chain_values, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import margin_row_bytes
 from ..routing.balanced.exact import MAX_ITERS
 from .layout import Layout
@@ -92,7 +95,7 @@ def local_start_bytes(W: int, E: int) -> float:
     int32) on the first update's sum, then its chain's counts beside the given prices' from
     the second update on (`PRICE_UPDATES` - 1 of them), all in all-reduces."""
     reduce = 2 * (W - 1) / W
-    return reduce * (W * E * 4 + (PRICE_UPDATES - 1) * (BINS + 2) * E * 4)
+    return reduce * (W * E * 4 + (PRICE_UPDATES - 1) * chain_values(E) * 4)
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
@@ -100,7 +103,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     W, E = lay.ep, cfg.moe.num_experts
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
     header = reduce * (8 + 3 * W) * 8
-    prices = PRICE_UPDATES * reduce * (BINS + 2) * E * 4
+    prices = PRICE_UPDATES * reduce * chain_values(E) * 4
     pairs = pair_rounds(cfg, lay, tokens)
     pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)
     counts = reduce * (E + W + 33) * 8
@@ -115,7 +118,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
     pairs = pair_rounds(cfg, lay, tokens)
-    rounds = PRICE_UPDATES + 6 + (PAIR_ROUNDS + 2 if pairs else 0)
+    rounds = PRICE_UPDATES + 6 + (PAIR_TRY_ROUNDS if pairs else 0)
     passes = PASSES + (PAIR_ROUNDS if pairs else 0) + LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES
     local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

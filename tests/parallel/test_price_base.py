@@ -196,6 +196,33 @@ def test_stalled_warm_updates_stop_early_and_widen_the_margin():
     assert slow.price_updates == price_base.PRICE_ITERS[1]
 
 
+def test_stopped_updates_widen_the_margin_by_their_own_counts_of_tokens_by_margin():
+    """Where the updates stall (a tied group as above, a sixteenth of the tokens), the margin
+    holds at least `CAPPED_SHARE` of the tokens, which the last update's band does not. Each
+    update also counts the group's tokens by margin at its prices (33 int32), and a chain that
+    stops keeps them: the margin's first sum is at the band that holds the eighth, not at the
+    thin band and then again. The same margin, assignment and prices as with that sum, in one
+    round fewer."""
+    sizes = [200 + 11 * i for i in range(8)]
+    x = make_scores(7, sum(sizes), 16, "gauss", torch.float32)
+    x[::16] = x[0]
+    _, prices, _ = solve_simulated(x, sizes, 1, "best", local_start=False)
+    warm, p, stats = solve_simulated(x, sizes, 1, "best", prices, local_start=False)
+    assert stats.price_updates == 2 and stats.margin_rows >= price_base.CAPPED_SHARE * sum(sizes)
+    real = price_margin.MarginStart.__init__
+
+    def without(self, s_parts, p_E, width, k, red, gaps=None, min_rows=0):
+        real(self, s_parts, p_E, width, k, red, None, min_rows)
+
+    with mock.patch.object(price_margin.MarginStart, "__init__", without):
+        slow, slow_p, slow_stats = solve_simulated(x, sizes, 1, "best", prices, local_start=False)
+    assert torch.equal(warm, slow) and torch.equal(p, slow_p)
+    assert stats.margin_rows == slow_stats.margin_rows and stats.rounds == slow_stats.rounds - 1
+    margin_sums = [i for i, (kind, n, _) in enumerate(slow_stats.log) if kind == "sum" and n == 16 + 8 + 33]
+    assert margin_sums[:2] == [4, 5]  # the header, three updates, then the thin band's sum and the widened one
+    assert slow_stats.log[:4] + slow_stats.log[5:] == stats.log
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_the_local_start_lands_near_the_groups_prices(k):
     """Each rank's own exact prices (`balanced_prices`), brought to the group's normalised units
@@ -277,7 +304,7 @@ def test_a_warm_calls_local_start_rides_on_its_first_update(k):
             kinds = [kind for kind, _, _ in stats.log]
             first = stats.log[1]  # the header, then the first update: its counts and the ranks' prices
             assert kinds[:2] == ["max", "sum"] and "gather" not in kinds[: 1 + got[1] + 1]
-            assert first[1] == 16 * (price_prices.BINS + 2) + world * 16 and first[2] == 4 * first[1]
+            assert first[1] == price_prices.chain_values(16) + world * 16 and first[2] == 4 * first[1]
             late_blocks, median = kw["late"]
             local = median(torch.stack(late_blocks).sum(0).view(world, 16))
             unit = float((x.amax(1) - x.amin(1)).amax())  # the group's largest per-token range
@@ -351,7 +378,7 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     assert stats.margin_rows < price_base.CAPPED_SHARE * sum(sizes) / 4, stats
     assert torch.equal(same_order(torch.cat(out)), same_order(balanced_assignment(x, k)))
     # a round worth just under, then just over, what leaves the rounds and their counts even
-    even = (spared - price_prices.pair_bytes(8)) / (price_prices.PAIR_ROUNDS + 2)
+    even = (spared - price_prices.pair_bytes(8)) / price_prices.PAIR_TRY_ROUNDS
     for round_bytes, runs in ((0.99 * even, True), (1.01 * even, False)):
         got, _, st = price_balanced_assignment(split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1,
                                                round_bytes=round_bytes, local_start=False)  # fmt: skip
@@ -365,6 +392,40 @@ def test_pair_rounds_keep_the_margin_thin_where_the_updates_stop_short(k):
     )
     assert cold_stats.price_updates == 1  # from zero prices: no pair rounds (their windows suit a warm start)
     assert torch.equal(same_order(torch.cat(cold)), same_order(torch.cat(out)))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_pair_rounds_check_carries_the_margins_first_counts(k):
+    """The sum of the loads that checks the pair rounds' prices also carries the margin's first
+    counts at them (E + W + 33 values more), so where the try holds the margin starts without
+    a sum of its own: the same margin, assignment and prices as with that sum, in one round
+    fewer."""
+    sizes = [250 + 13 * i for i in range(8)]
+    before, x = flat_scores(k, sum(sizes), 8)
+    _, prices, _ = price_balanced_assignment(split(before, sizes), k, ShardReduce(8))
+
+    def solve():
+        return price_balanced_assignment(
+            split(x, sizes), k, ShardReduce(8), prices=prices, max_price_iters=1, local_start=False
+        )
+
+    out, p, stats = solve()
+    real = price_base.pair_prices
+
+    def apart(*a):  # the margin's first counts summed on their own
+        q, n, step, first = real(*a)
+        if first is not None:
+            first.summed = None
+        return q, n, step, first
+
+    with mock.patch.object(price_base, "pair_prices", apart):
+        slow, slow_p, slow_stats = solve()
+    assert all(torch.equal(a, b) for a, b in zip(out, slow, strict=True)) and torch.equal(p, slow_p)
+    assert stats.margin_rows == slow_stats.margin_rows and stats.rounds == slow_stats.rounds - 1
+    check = 2 + price_prices.PAIR_ROUNDS + 1  # the header, the update, the pair rounds, their max
+    margin = 8 + 8 + price_margin.GAP_BINS + 1
+    assert stats.log[check][:2] == ("sum", 8 + margin) and slow_stats.log[check + 1][:2] == ("sum", margin)
+    assert stats.log[check + 1 :] == slow_stats.log[check + 2 :]
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -922,7 +983,8 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
         mine = split(x, sizes)[me : me + 1]
         (got,), p_got, stats = price_balanced_assignment(mine, 2, GroupReduce(group), prices=far)
         sim, p_sim, sim_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world), prices=far)
-    assert stats.log == sim_stats.log and stats.start == sim_stats.start and stats.log[1][1] == 8 * 18 + world * 8
+    assert stats.log == sim_stats.log and stats.start == sim_stats.start
+    assert stats.log[1][1] == price_prices.chain_values(8) + world * 8
     assert torch.equal(p_got, p_sim) and torch.equal(got, sim[me]), me
     bad = make_scores(seed, 10, 8, "gauss")
     if me == world - 1:

@@ -12,7 +12,7 @@ import torch
 from moe.models.llama import LlamaConfig
 from moe.parallel import price_prices
 from moe.parallel.price_base import CAPPED_SHARE, price_balanced_assignment
-from moe.parallel.price_prices import PAIR_ROUNDS, pair_bytes
+from moe.parallel.price_prices import PAIR_TRY_ROUNDS, pair_bytes
 from moe.parallel.reduction import ShardReduce
 from moe.plan import base_time
 from moe.plan.hardware import GPUS
@@ -60,7 +60,7 @@ def test_stalled_updates_pay_the_pair_rounds_where_they_spare_bytes():
         if runs:
             reduce = 2 * (ep - 1) / ep
             assert stalled[0] - plain[0] == pytest.approx(reduce * (pair_bytes(64) + 65 * 8))
-            assert stalled[1] - plain[1] >= (PAIR_ROUNDS + 2) * base_time.ROUND_LATENCY_S
+            assert stalled[1] - plain[1] >= PAIR_TRY_ROUNDS * base_time.ROUND_LATENCY_S
         else:  # no pair rounds: the margin holds the cap's eighth, in the same rounds
             rows = CAPPED_SHARE * ep * 4096 * 20  # 20 bytes a row at K = 1
             assert stalled[0] - plain[0] == pytest.approx(
@@ -76,7 +76,7 @@ def test_a_warm_solve_carries_the_local_start_without_a_round_of_its_own():
     round. The solver (W = 8, E = 16) sends exactly those values on its first update, and no
     gather before its margin."""
     cfg, lay = _base("deepseek-v3-like"), Layout(ep=64, dp_shard=64)
-    counts = (price_prices.BINS + 2) * 256 * 4
+    counts = price_prices.chain_values(256) * 4
     assert base_time.local_start_bytes(64, 256) == pytest.approx(2 * 63 / 64 * (64 * 256 * 4 + 7 * counts))
     with_it = base_time.global_base_bytes(cfg, lay, 4096), base_time.global_base_s(cfg, lay, 4096, 1e9, 1e12)
     with mock.patch.object(base_time, "local_start_bytes", lambda W, E: 0.0):
@@ -91,7 +91,7 @@ def test_a_warm_solve_carries_the_local_start_without_a_round_of_its_own():
     for local_start in (True, False):
         _, _, stats = price_balanced_assignment(parts, 1, ShardReduce(8), prices=prices, local_start=local_start)
         first = stats.log[1]
-        assert first[0] == "sum" and first[1] == 16 * (price_prices.BINS + 2) + 8 * 16 * local_start
+        assert first[0] == "sum" and first[1] == price_prices.chain_values(16) + 8 * 16 * local_start
         assert first[2] == first[1] * 4  # int32, the prices as their float32 bits
         margin = next(i for i, (kind, n, _) in enumerate(stats.log) if kind == "sum" and n == 16 + 8 + 33)
         assert all(kind != "gather" for kind, _, _ in stats.log[:margin])
