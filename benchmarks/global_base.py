@@ -280,14 +280,15 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
     values a warm call's first update carries), the prices (the updates' sums of one or two
     chains' counts, the pair rounds' counts, their agreeing max and the loads that check
     them), the margin's counts and rows (its first counts, E + W + 33 values, alone or riding
-    on a pair rounds' check, then every band's), the certificate's counts and rows (from its
-    first count of 2W values; where 2W = E + W + 33 its counts read as the margin's)."""
+    on a pair rounds' check, the sum right after their max; then every band's), the
+    certificate's counts and rows (from its first count of 2W values; where 2W = E + W + 33
+    its counts read as the margin's)."""
     out = dict.fromkeys(("header", "start", "prices", "margin_counts", "margin_rows", "check_counts", "check_rows"), 0)
     margin_count = experts + world + GAP_BINS + 1
     chain = chain_values(experts)
     pair = experts * experts * PAIR_BINS + experts
     prices = {("sum", chain), ("sum", 2 * chain), ("sum", pair), ("max", experts + 1)}
-    phase, priced = "header", False
+    phase, priced, agreed = "header", False, False
     for kind, values, size in log:
         if phase == "header" and kind != "max":
             phase = "prices"
@@ -296,11 +297,12 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
                 out["start"] += size
                 continue
             priced = True
+            checks, agreed = agreed, (kind, values) == ("max", experts + 1)  # a check follows the pair max
             if kind == "sum" and values == chain + world * experts:  # a warm call's, on its first update
                 out["start"] += world * experts * size // values
                 out["prices"] += chain * size // values
                 continue
-            if kind == "sum" and values == experts + margin_count:  # a check, the margin's first counts on it
+            if checks and kind == "sum" and values == experts + margin_count:  # the margin's first counts on it
                 out["prices"] += experts * size // values
                 out["margin_counts"] += margin_count * size // values
                 continue

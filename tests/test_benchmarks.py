@@ -304,6 +304,12 @@ def test_global_base_bytes_by_part_follow_the_solve_phases():
     assert parts["margin_rows"] == 128
     without = bytes_by_part([("max", 44, 1), ("sum", 177, 8), ("sum", 45, 64), ("gather", 300, 128)], 4, 8)
     assert without["start"] == 0 and without["prices"] == 8 and without["margin_rows"] == 128
+    # W = 16E (W = 1024, E = 64): a chain's counts (18 x 64 + 33) are as many values as a check
+    # with the margin's counts on it (64 + 64 + 1024 + 33); only the sum after a pair max is one
+    big = [("max", 3080, 1), ("sum", 1185, 2), ("sum", 1185, 4), ("sum", 1121, 8), ("gather", 300, 16)]
+    big += [("sum", 2048, 32)]
+    parts = bytes_by_part(big, 1024, 64)
+    assert parts["prices"] == 6 and parts["margin_counts"] == 8 and parts["check_counts"] == 32
 
 
 def test_global_base_benchmark_checks_up_to_its_limit_and_certifies_beyond():

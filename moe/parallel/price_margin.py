@@ -200,9 +200,9 @@ def _gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta,
             ]
             rows = red.gather([r for r, _ in made], new_sizes).cpu()
             for rank, lc, (_, got), (lcs, at, gots) in zip(red.ranks, added, made, mine, strict=True):
-                first = s_res.shape[1] + sum(new_sizes[:rank])
+                row0 = s_res.shape[1] + sum(new_sizes[:rank])  # this rank's first row in the gather
                 lcs.append(lc)
-                at.append(torch.arange(first, first + lc.numel()))
+                at.append(torch.arange(row0, row0 + lc.numel()))
                 gots.append(got)
             s_res = _append(s_res, unpack_rows(rows, lay, cols, keyed=False)[2])
             had, had_sizes = near, m_sizes

@@ -412,11 +412,9 @@ def test_the_pair_rounds_check_carries_the_margins_first_counts(k):
     out, p, stats = solve()
     real = price_base.pair_prices
 
-    def apart(*a):  # the margin's first counts summed on their own
-        q, n, step, first = real(*a)
-        if first is not None:
-            first.summed = None
-        return q, n, step, first
+    def apart(s_parts, caps, k_, red, p_E, margin):  # the margin's own start at the try's prices, summed apart
+        q, n, step, first = real(s_parts, caps, k_, red, p_E, margin)
+        return q, n, step, None if first is None else price_margin.MarginStart(s_parts, q, step, k_, red)
 
     with mock.patch.object(price_base, "pair_prices", apart):
         slow, slow_p, slow_stats = solve()
