@@ -46,7 +46,7 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
    reach their cap or stall and no pair rounds follow (or none lowered the loads' miss), the
    prices are further off than their last move says, and the margin holds at least an
    eighth of the tokens (`CAPPED_SHARE`);
-4. the certificate (`price_margin`): every rank checks its tokens against the cycles' final
+4. the certificate (`price_certificate`): every rank checks its tokens against the cycles' final
    prices; those that could gain travel too, and the cycles go on until none can: the
    optimality condition of the transportation problem, as in the single-process solver
    (docs/routing.md).
@@ -55,7 +55,7 @@ Every step is a deterministic function of summed integers, maxima and gathered r
 rank computes the same result. Every loop is bounded: the bands grow geometrically to the
 whole problem (then the residual is the gathered problem), each certificate round adds a row
 or a column a row did not carry (one of its K + 3 best under the new prices beats what it
-holds, and the carried ones passed), and after `price_margin.LAST_CHECK` rounds every row travels
+holds, and the carried ones passed), and after `price_certificate.LAST_CHECK` rounds every row travels
 whole.
 """
 
@@ -69,7 +69,8 @@ from torch import Tensor
 
 from ..routing.balanced import _Capacities, _check, _check_extras, _jitter_pattern, _sub_transposed, balanced_prices
 from ..routing.config import check_float
-from .price_margin import MarginStart, solve_margin
+from .price_certificate import certify
+from .price_margin import MarginStart, gather_margin
 from .price_prices import capacities, jacobi_prices, pair_prices, pair_rounds_pay
 from .price_rows import margin_row_bytes
 from .reduction import Reduction
@@ -271,9 +272,8 @@ def price_balanced_assignment(
         min_rows = min(max(MIN_ROWS * num_experts, 0 if converged else int(CAPPED_SHARE * total)), total)
         if first is None:  # at the updates' prices, their tokens by margin counted where they stopped
             first = MarginStart(s_parts, p, width, k, red, gaps, min_rows)
-        out, p_final, ok = solve_margin(
-            s_parts, starts, sizes, first, cap, caps, k, red, delta, budget, min_rows, stats
-        )
+        margin = gather_margin(s_parts, sizes, first, cap, caps, k, red, delta, budget, min_rows)
+        out, p_final, ok = certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats)
         if not ok:
             warnings.warn(
                 f"price_balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "

@@ -1,6 +1,7 @@
-"""Steps 3 and 4 of global BASE by prices (`price_base`): the tokens near a boundary under the
-agreed prices, gathered onto every rank and solved there as one residual problem, then the
-certificate that no token anywhere in the group could gain under the residual's prices.
+"""Step 3 of global BASE by prices (`price_base`): the tokens near a boundary under the agreed
+prices, gathered onto every rank and solved there as one residual problem. Step 4, the
+certificate that no token anywhere in the group could gain under the residual's prices, is
+`price_certificate`.
 
 Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gathered rows.
 
@@ -20,9 +21,9 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    pair rounds followed or helped: `price_base`) widen it first, to the bin edge with enough
    below it (one more sum; none where the price updates stopped, since each of their sums
    counted the tokens by margin at its prices too): so thin a margin leaves the cycles too
-   few moves to take up the loads' last misses, the certificate's prices move far from the picks' and many fixed tokens
-   fail. Each expert has its own band, which a token takes at the widest of its slots': where
-   the fixed tokens overfill experts, their bands alone grow 4x (one more sum each), so a
+   few moves to take up the loads' last misses, the certificate's prices move far from the
+   picks' and many fixed tokens fail. Each expert has its own band, which a token takes at the
+   widest of its slots': where the fixed tokens overfill experts, their bands alone grow 4x (one more sum each), so a
    cluster of near-equal tokens on the wrong side of one boundary widens that boundary, not
    every token's. Where the fill finds no completion, every band grows 4x. Where the cycles on
    the gathered rows alone (no collective; the certificate's first round reuses them) leave a
@@ -44,22 +45,10 @@ Legend: W ranks, T tokens of one shard, E experts, K experts per token, M gather
    prices than the growth adds (one sum of 3 values and the grown margin's counts), so the
    tokens that hold them nearest their margin come instead of every token within the rise. A
    wider margin sends only the tokens it adds (the prices, and so a token's row, stay), one
-   gather each;
-4. the certificate: the cycles' final distances are prices under which no margin row can gain
-   on the columns it carries. Every rank checks its fixed tokens against them, and its margin
-   rows on the columns they do not carry (one sum of 2W values); a fixed token that fails
-   joins the margin rows with its slots, a margin row that fails travels again with its K + 3
-   best columns under the new prices, added to those it carried (one gather for both, each
-   row keyed by its place among the gathered rows, -1 for a new one: 4 bytes more), and
-   the cycles go on. When none fails, no cycle over the whole group
-   gains more than the tolerance: the optimality condition of the transportation problem, as
-   in the single-process solver (docs/routing.md).
-
-Both loops are bounded: the bands grow geometrically to the whole problem (then the residual is
+   gather each.
+The loop is bounded: the bands grow geometrically to the whole problem (then the residual is
 the gathered problem; a pull grows only while it adds rows and stays at most 4, at most about
-ten times an expert from the least band), and each certificate round adds a row or a column a
-row did not carry (one of its K + 3 best under the new prices beats what it holds, and the
-carried ones passed); after `LAST_CHECK` rounds every row travels whole.
+ten times an expert from the least band).
 """
 
 from __future__ import annotations
@@ -71,14 +60,13 @@ from torch import Tensor
 
 from ..routing.balanced import _fill
 from ..routing.cycle_graph import _Graph
-from ..routing.exchange import held_mask, violations
+from ..routing.exchange import violations
 from .price_prices import GAP_BINS, MIN_BAND, gap_counts, gap_edges, pick
 from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
 
-__all__ = ["GAP_BINS", "LAST_CHECK", "MarginStart", "solve_margin"]
+__all__ = ["GAP_BINS", "Margin", "MarginStart", "append_rows", "gather_margin", "residual_graph"]
 
 BAND = 1.0  # the first margin band, in units of the last price move
-LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 PULL_SHARE = 8  # a pull, not every band 4x, where it adds at most 1 / PULL_SHARE of what they would
 STEP = 4  # a band's growth: where fixed tokens overfill, where the fill fails, and as weighed
 # every band's growth where rows travel and cannot fill an expert: the last step overshoots the
@@ -90,17 +78,6 @@ GROW = 2
 # call traced rose by 2,500 and its certificate sent 11,241 rows (docs/benchmarks.md, "An
 # expert the cycles price out")
 RISE = STEP**3
-ROW_BLOCK = 1 << 15  # gathered rows updated at a time by a certificate round
-
-
-def solve_margin(s_parts, starts, sizes, first, cap, caps, k, red, delta, budget, min_rows, stats):
-    """Steps 3 and 4 on the normalised shards (E, T) from the margin's start ``first``
-    (`MarginStart`: its prices and first band; ``cap``: the capacities at them), the band
-    widened to hold at least ``min_rows`` tokens. Fills ``stats``' margin rows, cycles and
-    checks. Returns (slots (T, K) per shard, the certificate's prices (E,) float64 with mean
-    zero, certified: False where the cycle budget ran out first)."""
-    margin = _gather_margin(s_parts, sizes, first, cap, caps, k, red, delta, budget, min_rows)
-    return _certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats)
 
 
 class MarginStart:
@@ -139,7 +116,7 @@ class MarginStart:
 
 
 @dataclass
-class _Margin:
+class Margin:
     """What step 3 leaves the certificate."""
 
     picks: list  # per shard: (slots (T, K), margin (T,)) under the agreed prices
@@ -153,7 +130,7 @@ class _Margin:
     cols: int  # the columns a row carries
 
 
-def _gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, budget, min_rows) -> _Margin:
+def gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, budget, min_rows) -> Margin:
     """Step 3: the bands grow until the fixed tokens leave room the gathered rows can fill on
     the columns they carry."""
     num_experts = s_parts[0].shape[0]
@@ -204,7 +181,7 @@ def _gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta,
                 lcs.append(lc)
                 at.append(torch.arange(row0, row0 + lc.numel()))
                 gots.append(got)
-            s_res = _append(s_res, unpack_rows(rows, lay, cols, keyed=False)[2])
+            s_res = append_rows(s_res, unpack_rows(rows, lay, cols, keyed=False)[2])
             had, had_sizes = near, m_sizes
         slots = torch.full((s_res.shape[1], k), -1, dtype=torch.int64)
         graph = None  # the last band's graph: its gains go before the fill's passes
@@ -225,18 +202,18 @@ def _gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta,
         # certificate's prices rise from them only where a margin row's move needs it and few
         # fixed tokens can fail (from the searches' own distances, warm started at W=16, a
         # thousand did)
-        graph = _graph(s_res, slots, delta, extra)
+        graph = residual_graph(s_res, slots, delta, extra)
         cancelled = graph.cancel(budget, p.cpu().numpy().astype(s_res.numpy().dtype))
         short = None if last else _unsent_columns(s_res, torch.from_numpy(graph.out))
         if short is None:
-            return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+            return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
         if short.numel() == 0:
             # every expert filled; where the cycles priced some far above the others, the fixed
             # tokens holding them near their margin would fail: those bands alone grow while
             # that sends fewer (docs/benchmarks.md, "An expert the cycles price out")
             risen = _risen(cancelled[2], p, band)
             if risen.numel() == 0:
-                return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+                return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
             grown = band.clone()
             grown[risen] *= STEP
             q = torch.from_numpy(cancelled[2]).to(dtype)
@@ -245,7 +222,7 @@ def _gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta,
             )
             adds = int(next_counts[0][1][num_experts : num_experts + world].sum()) - sum(had_sizes)
             if fails <= adds or adds == 0:  # the certificate takes them (a growth that adds none ends it)
-                return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+                return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
             band, agreed = grown, next_counts[0]
             continue
         # the tokens nearest to taking the experts short of rows, or every band GROW x (weighed
@@ -259,107 +236,11 @@ def _gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta,
             s_parts, p1, picks, by_gap, near, band, pull, pulled, q, red, delta, ways
         )
         if fails <= band_adds:  # the certificate takes them (as it would beside a pull that grows on)
-            return _Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+            return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
         pulls = world > 1 and 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all())
         way = 0 if world == 1 or pulls else 1
         band, pull = ways[way]
         agreed = next_counts[way]
-
-
-def _certify(mg: _Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
-    """Step 4, from the cycles of step 3: rounds of checks until no fixed token and no gathered
-    row could gain under the cycles' prices (or the budget runs out). Returns as `solve_margin`."""
-    num_experts = s_parts[0].shape[0]
-    dtype = s_parts[0].dtype
-    world = red.world
-    s_res, extra, lay, cols = mg.s_res, mg.extra, mg.lay, mg.cols
-    mg.s_res = None  # held here alone: each round's rows go once the next ones are made
-    # which residual row each local token is (-1: fixed), and the global index of each
-    # residual row that a local shard sent (-1: another rank's, which this one never writes)
-    ids = torch.full((s_res.shape[1],), -1, dtype=torch.int64)
-    at_row = [torch.full(nr.shape, -1, dtype=torch.int64, device=nr.device) for nr in mg.near]
-    sent = []  # per shard: the columns its gathered rows carry
-    for s, ar, st, (lcs, at, gots) in zip(s_parts, at_row, starts, mg.mine, strict=True):
-        lc, at = torch.cat(lcs), torch.cat(at)
-        ar[lc] = at.to(lc.device)
-        ids[at] = lc.cpu() + st
-        sent.append(_Sent(s.shape[1], num_experts, s.device))
-        sent[-1].set(lc, torch.cat(gots, 1))
-    stats.margin_rows = ids.numel()
-    fixed = [(~nr) for nr in mg.near]
-    outs = [out.clone() for out, _ in mg.picks]
-    applied, ok = 0, False
-    graph, cancelled, start, slots = mg.graph, mg.cancelled, None, None  # the first round: step 3's cycles
-    mg.graph = None  # held here alone, so that each round's graph goes once its cycles ran
-    for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
-        if check:
-            graph = _graph(s_res, slots, delta, extra)
-            cancelled = graph.cancel(budget - applied, start)
-        done, n, dist = cancelled
-        applied, start = applied + n, dist
-        slots = torch.from_numpy(graph.out)
-        if extra is not None:
-            extra = graph.extra
-        graph = None  # its gains go before more rows come
-        stats.cycles, stats.checks = applied, check + 1
-        prices = torch.from_numpy(dist).to(torch.float64)
-        if not done:
-            break
-        _write(outs, ids, slots, starts, sizes, red)
-        q = prices.to(dtype).to(s_parts[0].device)
-        bad, short = [], []  # fixed tokens that fail; gathered rows whose missing columns fail
-        for s, out, fx, sn in zip(s_parts, outs, fixed, sent, strict=True):
-            local = fx.nonzero().flatten()
-            part = (~fx).nonzero().flatten()  # the gathered rows: those that lack a column
-            part = part[~sn.of(part).all(0)]
-            if check == LAST_CHECK:
-                bad.append(local)
-                short.append(part)
-                continue
-            bad.append(local[violations(s.index_select(1, local), q, out.index_select(0, local), delta)])
-            short.append(part[_short(s.index_select(1, part), q, out.index_select(0, part), sn.of(part), delta)])
-        counts = []
-        for rank, b, sh in zip(red.ranks, bad, short, strict=True):
-            c = torch.zeros(2 * world, dtype=torch.int64, device=b.device)
-            c[rank], c[world + rank] = b.numel(), sh.numel()
-            counts.append(c)
-        summed = red.sum(counts).cpu()
-        b_sizes = (summed[:world] + summed[world:]).tolist()
-        if sum(b_sizes) == 0:
-            ok = True
-            break
-        width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
-        made = [  # a new row keyed -1, a short one by its residual row; their best under the new prices
-            pack_rows(s, q[:, None], out, torch.cat([b, sh]), torch.cat([torch.full_like(b, -1), ar[sh]]), width, lay)
-            for s, out, b, sh, ar in zip(s_parts, outs, bad, short, at_row, strict=True)
-        ]
-        more = red.gather([r for r, _ in made], b_sizes).cpu()
-        again, new_slots, new_s = unpack_rows(more, lay, width)
-        old = again >= 0
-        added = ids.numel() + torch.cumsum(~old, 0) - 1  # where each new row goes
-        ids = torch.cat([ids, torch.full((int((~old).sum()),), -1, dtype=torch.int64)])
-        for rank, fx, sn, b, sh, ar, st, (_, got) in zip(
-            red.ranks, fixed, sent, bad, short, at_row, starts, made, strict=True
-        ):
-            fx[b] = False
-            sn.set(torch.cat([b, sh]), got)
-            first = sum(b_sizes[:rank])  # this rank's new rows lead its block
-            rows_b = added[first : first + b.numel()]
-            ar[b] = rows_b.to(ar.device)
-            ids[rows_b] = b.cpu() + st
-        # their slots are the ones held already; the columns they carried before stay (a block
-        # of rows at a time: late rounds can send nearly every row again, and the whole
-        # problem's temporaries would hold several copies of the rows' scores)
-        at, fresh = again[old], old.nonzero().flatten()
-        for c0 in range(0, at.numel(), ROW_BLOCK):
-            i, f = at[c0 : c0 + ROW_BLOCK], new_s[:, fresh[c0 : c0 + ROW_BLOCK]]
-            s_res[:, i] = torch.where(f == UNSENT, s_res[:, i], f)
-        new = ~old
-        slots = torch.cat([slots, new_slots[new]])
-        s_res = _append(s_res, new_s[:, new])
-        stats.margin_rows = ids.numel()
-    _write(outs, ids, slots, starts, sizes, red)
-    return outs, prices - prices.mean(), ok
 
 
 def _in_band(out_TK: Tensor, margin_T: Tensor, band_E: Tensor) -> Tensor:
@@ -390,16 +271,16 @@ def _near(
     return near, want
 
 
-def _append(s_res: Tensor, new_EN: Tensor) -> Tensor:
+def append_rows(s_res: Tensor, new_EN: Tensor) -> Tensor:
     """The gathered rows' scores (E, M) with ``new`` (E, n) after them: (E, M + n), the
     transpose of row-major (M + n, E) rows, as ``s_res`` is (`unpack_rows`)."""
     return torch.cat([s_res.T, new_EN.T]).T
 
 
-def _graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
+def residual_graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Graph:
     """The exchange-cycle graph of the gathered rows, on copies of their slots and of the
     movable extra slots (the search writes both). It reads the rows' scores in place: (E, M)
-    is the transpose of row-major rows (`_append`), the (M, E) the graph reads; nothing
+    is the transpose of row-major rows (`append_rows`), the (M, E) the graph reads; nothing
     writes them while it lives."""
     return _Graph(s_res.numpy(), slots_MK.numpy().copy(), delta, None if extra is None else extra.copy())
 
@@ -430,7 +311,7 @@ def _widen_counts(s_parts, p_E1, picks, by_gap, near, band, pull, pulled, q_E: T
     tokens the margin would add with the pull ``pulled``, or with every band 4x, and the
     margin's counts (`_margin_counts`) under each of ``ways`` (band, pull), so that the one
     taken needs no round of its own. Returns those three numbers and, per way, (its margin,
-    its summed counts). Where rows travel the first way is the pull (``_gather_margin``),
+    its summed counts). Where rows travel the first way is the pull (`gather_margin`),
     whose margin gives the tokens it adds."""
     sides = [_margin_counts(s_parts, p_E1, picks, by_gap, b, pl, red) for b, pl in ways]
     counts = []
@@ -464,43 +345,3 @@ def _unsent_columns(s_res: Tensor, slots_MK: Tensor) -> Tensor:
     held = slots_MK.clamp(min=0)
     bad = (s_res.gather(0, held.T) == UNSENT) & (slots_MK.T >= 0)
     return torch.unique(held.T[bad])
-
-
-class _Sent:
-    """The columns one shard's gathered rows carry: (E, n) bool for its n gathered tokens, kept
-    for those alone (a (E, T) mask would cost a quarter of the float32 scores)."""
-
-    def __init__(self, num_tokens: int, num_experts: int, device) -> None:
-        self.at = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)  # column in cols, or -1
-        self.cols = torch.zeros(num_experts, 0, dtype=torch.bool, device=device)
-
-    def set(self, local: Tensor, got_En: Tensor) -> None:
-        """Tokens ``local`` (distinct) carry the columns ``got`` too."""
-        new = local[self.at[local] < 0]
-        n = self.cols.shape[1]
-        self.at[new] = torch.arange(n, n + new.numel(), device=self.at.device)
-        self.cols = torch.cat([self.cols, self.cols.new_zeros(self.cols.shape[0], new.numel())], 1)
-        self.cols[:, self.at[local]] |= got_En
-
-    def of(self, local: Tensor) -> Tensor:
-        """(E, n): the columns gathered tokens ``local`` carry."""
-        return self.cols[:, self.at[local]]
-
-
-def _short(s_ET: Tensor, q_E: Tensor, out_TK: Tensor, sent_ET: Tensor, delta: float) -> Tensor:
-    """Which gathered rows the certificate cannot pass on the columns they carry: a slot at a
-    column not carried, or a column not carried that beats the worst slot by more than
-    ``delta`` under the prices ``q`` (the carried ones passed in the cycles)."""
-    a = s_ET - q_E.view(-1, 1)
-    held = held_mask(out_TK, s_ET.shape[0])
-    worst_held = torch.where(held, a, float("inf")).amin(dim=0)
-    best_missing = torch.where(sent_ET, float("-inf"), a).amax(dim=0)
-    return torch.nonzero((held & ~sent_ET).any(0) | (best_missing - worst_held > delta)).flatten()
-
-
-def _write(outs, ids, slots, starts, sizes, red) -> None:
-    """The gathered rows' slots into each shard's assignment."""
-    for rank, out, start in zip(red.ranks, outs, starts, strict=True):
-        mine = (ids >= start) & (ids < start + sizes[rank])
-        if bool(mine.any()):
-            out[ids[mine] - start] = slots[mine].to(out.device)
