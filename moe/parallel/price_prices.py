@@ -63,10 +63,13 @@ def _thresholds(s_ET: Tensor, p_E1: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return s_ET - torch.where(mine, vals[k], vals[k - 1]), vals[k - 1] - vals[k]
 
 
+_GAP_EDGES = MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)
+
+
 def gap_edges() -> Tensor:
     """(GAP_BINS,) float64: the upper edges of `gap_counts`' bins, ``MIN_BAND * 2**i`` (the last
-    far above 4, where the margin is the whole problem)."""
-    return MIN_BAND * 2.0 ** torch.arange(GAP_BINS, dtype=torch.float64)
+    far above 4, where the margin is the whole problem). Read only."""
+    return _GAP_EDGES
 
 
 def gap_counts(margin_T: Tensor) -> Tensor:
@@ -170,10 +173,11 @@ def jacobi_prices(
 ) -> tuple[Tensor, int, float, bool, int | None, int]:
     """Damped Jacobi prices over every rank's tokens, from each of ``starts`` (prices (E,), or
     None: zeros, a cold start) in the same collectives: one sum per update carries every
-    running chain's counts (E x (B + 2) + GAP_BINS + 1 int32 a chain: the last, its tokens by
-    margin, which the margin reads where the chain stopped at the prices it kept). ``late``: (per shard an int32 tensor,
-    a function of their sum giving prices or None): summed with the first update's counts, and
-    the prices it gives start one more chain from the second update.
+    running chain's counts (`chain_values`: E x (B + 2) + GAP_BINS + 1 int32, the last its
+    tokens by margin, which the margin reads where the chain stopped at the prices it kept).
+    ``late``: (per shard an int32 tensor, a function of their sum giving prices or None):
+    summed with the first update's counts, and the prices it gives start one more chain from
+    the second update.
 
     A chain stops once the loads under its prices miss the capacities by at most ``tol`` slots
     in all (converged), after ``max_iters`` updates, or, from given prices, once two updates
@@ -339,11 +343,10 @@ def pair_prices(
     float64, the collectives, the last move: what the prices are known to within, roughly; the
     margin's start at them, its counts summed, where the loads' miss did not grow; if it grew
     on every try, ``p`` itself, a last move of 0 and None)."""
-    window, used = PAIR_WINDOW, 0
+    window, used, num_experts = PAIR_WINDOW, 0, s_parts[0].shape[0]
     for _ in range(PAIR_TRIES):
         q, step, before = _pair_rounds(s_parts, caps, k, red, p_E, window)
         first = margin(q, step)
-        num_experts = s_parts[0].shape[0]
         summed = red.sum(
             [
                 torch.cat([torch.bincount(out.flatten(), minlength=num_experts), c])
