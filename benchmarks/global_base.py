@@ -274,23 +274,29 @@ def _record_assign(model) -> list[torch.Tensor]:
     return seen
 
 
-def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> dict[str, int]:
+def bytes_by_part(
+    log: list[tuple[str, int, int]], world: int, experts: int, check_from: int | None = None
+) -> dict[str, int]:
     """Where one solve's bytes went, from its collectives (kind, values received, bytes) in the
     order they ran: the header (its maxima), the local start (a cold call's gather; the W x E
     values a warm call's first update carries), the prices (the updates' sums of one or two
     chains' counts, the pair rounds' counts, their agreeing max and the loads that check
     them), the margin's counts and rows (its first counts, E + W + 33 values, alone or riding
     on a pair rounds' check, the sum right after their max; then every band's), the
-    certificate's counts and rows (from its first count of 2W values; where 2W = E + W + 33
-    its counts read as the margin's)."""
+    certificate's counts and rows (from ``check_from``, where in ``log`` it began
+    (`PriceStats.check_from`); without it, from its first count of 2W values, where 2W = E + W +
+    33 reading as the margin's). A check whose rows ride with its counts (``round_bytes``)
+    counts as rows."""
     out = dict.fromkeys(("header", "start", "prices", "margin_counts", "margin_rows", "check_counts", "check_rows"), 0)
     margin_count = experts + world + GAP_BINS + 1
     chain = chain_values(experts)
     pair = experts * experts * PAIR_BINS + experts
     prices = {("sum", chain), ("sum", 2 * chain), ("sum", pair), ("max", experts + 1)}
     phase, priced, agreed = "header", False, False
-    for kind, values, size in log:
-        if phase == "header" and kind != "max":
+    for i, (kind, values, size) in enumerate(log):
+        if check_from is not None and i >= check_from:
+            phase = "check"
+        elif phase == "header" and kind != "max":
             phase = "prices"
         if phase == "prices":
             if kind == "gather" and not priced:  # a cold call's local start
@@ -308,7 +314,7 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
                 continue
             if (kind, values) not in prices:
                 phase = "margin"
-        if phase == "margin" and kind == "sum" and values == 2 * world != margin_count:
+        if check_from is None and phase == "margin" and kind == "sum" and values == 2 * world != margin_count:
             phase = "check"
         if phase in ("header", "prices"):
             out[phase] += size
@@ -320,7 +326,7 @@ def bytes_by_part(log: list[tuple[str, int, int]], world: int, experts: int) -> 
 def run(
     world: int, tokens: int, experts: int, k: int, scores: str, steps: int, check: bool, *,
     check_max_gb: float = 4.0, run_dir: str | None = None, replay: list[int] | None = None, on_solve=None,
-    cold: str = "every", spill: str | None = None,
+    cold: str = "every", spill: str | None = None, round_bytes: float = 0.0,
 ) -> list[dict]:  # fmt: skip
     """Every solve's figures. With ``check``, each objective is compared with the stacked
     single-process solve's where the stacked scores take at most ``check_max_gb`` (that solve
@@ -329,20 +335,21 @@ def run(
     (``replay``: their steps, or all; ``steps`` batches each), whose model sets E and K.
     ``on_solve``, where given, is called with each solve's figures as it ends. ``cold``:
     ``"every"`` step solved cold too, or only the ``"first"`` (`solve_steps`). ``spill``: a
-    replay's scores held in files there (`ReplayedLayers`)."""
+    replay's scores held in files there (`ReplayedLayers`). ``round_bytes``: the price of a
+    round (`price_balanced_assignment`)."""
     k, source = score_source(world, tokens, experts, k, scores, steps, run_dir, replay, spill)
 
     def solve(x, start):
         parts = list(x.split(tokens))
         t0 = time.perf_counter()
-        out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start)
+        out, p, st = price_balanced_assignment(parts, k, ShardReduce(world), prices=start, round_bytes=round_bytes)
         seconds = time.perf_counter() - t0
         out = torch.cat(out)
         objective = verify(x, out, p, k, check_max_gb) if check else None
         return p, dict(
             W=world, T=tokens, E=x.shape[1], K=k, rounds=st.rounds, updates=st.price_updates, checks=st.checks,
             bytes=st.bytes, margin_rows=st.margin_rows, gathered_bytes=world * tokens * x.shape[1] * 4,
-            seconds=seconds, parts=bytes_by_part(st.log, world, x.shape[1]), objective=objective,
+            seconds=seconds, parts=bytes_by_part(st.log, world, x.shape[1], st.check_from), objective=objective,
         ), out  # fmt: skip
 
     rows = []
@@ -524,6 +531,9 @@ def main(argv=None) -> None:
     ap.add_argument("--spill", metavar="DIR",
                     help="with --run: hold each layer's scores and the hidden states in files under DIR, mapped "
                     "into memory (pages the kernel can drop while the solve holds its own copy)")  # fmt: skip
+    ap.add_argument("--round-bytes", type=float, default=0.0,
+                    help="the price of a round of collectives in bytes a rank receives (the router's "
+                    "base_round_bytes); 0: bytes alone")  # fmt: skip
     args, scores = parse_score_args(ap, argv)
     if args.spill and not args.run:
         ap.error("--spill needs --run")
@@ -531,7 +541,7 @@ def main(argv=None) -> None:
     def one(world, tokens, experts, k):
         return run(world, tokens, experts, k, scores, args.steps, args.check, check_max_gb=args.check_max_gb,
                    run_dir=args.run, replay=args.replay_steps, on_solve=progress, cold=args.cold,
-                   spill=args.spill)  # fmt: skip
+                   spill=args.spill, round_bytes=args.round_bytes)  # fmt: skip
 
     grid(args, one, lambda rows: markdown(summary(rows)))
 

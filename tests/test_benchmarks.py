@@ -310,6 +310,12 @@ def test_global_base_bytes_by_part_follow_the_solve_phases():
     big += [("sum", 2048, 32)]
     parts = bytes_by_part(big, 1024, 64)
     assert parts["prices"] == 6 and parts["margin_counts"] == 8 and parts["check_counts"] == 32
+    # the certificate's start given (`PriceStats.check_from`): its checks' gathers, counts and
+    # rows in one where a round is priced, are its rows; a sum of 2W before it is the margin's
+    ahead = [("max", 44, 1), ("sum", 177, 2), ("sum", 8, 4), ("gather", 300, 8), ("gather", 8, 16), ("gather", 8, 32)]
+    parts = bytes_by_part(ahead, 4, 8, check_from=4)
+    assert parts["margin_counts"] == 4 and parts["margin_rows"] == 8 and parts["check_rows"] == 48
+    assert parts["check_counts"] == 0
 
 
 def test_global_base_benchmark_checks_up_to_its_limit_and_certifies_beyond():

@@ -49,7 +49,9 @@ same exchange cycles and certificate. Each rank keeps its rows; per call they ag
 4. the certificate (`price_certificate`): every rank checks its tokens against the cycles' final
    prices; those that could gain travel too, and the cycles go on until none can: the
    optimality condition of the transportation problem, as in the single-process solver
-   (docs/routing.md).
+   (docs/routing.md). Where a round is priced (``round_bytes``), each check's counts carry
+   its first rows (a round's share of them: `price_rows.ahead_rows`), so a check that
+   sends rows takes one round, not two.
 
 Every step is a deterministic function of summed integers, maxima and gathered rows, so every
 rank computes the same result. Every loop is bounded: the bands grow geometrically to the
@@ -95,6 +97,7 @@ class PriceStats:
     cycles: int = 0
     checks: int = 0  # certificate rounds
     start: str = "zero"  # the prices the updates kept: "given" (a previous call's), "local" or "zero"
+    check_from: int = 0  # where in ``log`` the certificate's collectives begin
     log: list = field(default_factory=list)
 
 
@@ -205,7 +208,9 @@ def price_balanced_assignment(
         round_bytes: what one more round of collectives costs, as the bytes a rank receives in
             the time of its latency (e.g. 50 us at 25 GB/s: 1.25e6); the pair rounds run only
             where their bytes and rounds at this price cost less than the wide margin they
-            spare (`price_prices.pair_rounds_pay`). 0: bytes alone, the least traffic.
+            spare (`price_prices.pair_rounds_pay`), and each certificate check sends its
+            first rows with its counts (`price_rows.ahead_rows`). 0: bytes alone, the
+            least traffic.
             ``prices`` given or not, ``local_start``, ``max_price_iters`` and ``round_bytes``
             must be the same on every rank (`GroupBalance` keeps them so): they decide which
             collectives run.
@@ -273,7 +278,8 @@ def price_balanced_assignment(
         if first is None:  # at the updates' prices, their tokens by margin counted where they stopped
             first = MarginStart(s_parts, p, width, k, red, gaps, min_rows)
         margin = gather_margin(s_parts, sizes, first, cap, caps, k, red, delta, budget, min_rows)
-        out, p_final, ok = certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats)
+        stats.check_from = red.rounds - rounds0
+        out, p_final, ok = certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats, round_bytes)
         if not ok:
             warnings.warn(
                 f"price_balanced_assignment: the exchange-cycle budget (max_cycles={budget}) ran out before the "

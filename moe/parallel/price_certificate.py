@@ -13,6 +13,13 @@ gathered rows, -1 for a new one: 4 bytes more), and the cycles go on. When none 
 cycle over the whole group gains more than the tolerance: the optimality condition of the
 transportation problem, as in the single-process solver (docs/routing.md).
 
+Where a round has a price (``round_bytes``, `price_rows.ahead_rows`), a check sends its
+counts and its first rows in one gather of fixed size instead of the sum and then the gather: a
+check that finds tokens to send then costs one round, not two, where every rank's fit (a second
+gather brings the rest where they do not), for bytes that cost at most `price_rows.AHEAD_SHARE` of a round. Each
+check sends no more rows ahead than a rank sent in the one before (the first, than a rank has
+tokens).
+
 The loop is bounded: each round adds a row or a column a row did not carry (one of its K + 3
 best under the new prices beats what it holds, and the carried ones passed); after
 `LAST_CHECK` rounds every row travels whole.
@@ -25,7 +32,7 @@ from torch import Tensor
 
 from ..routing.exchange import held_mask, violations
 from .price_margin import Margin, append_rows, residual_graph
-from .price_rows import UNSENT, pack_rows, unpack_rows
+from .price_rows import UNSENT, ahead_rows, as_bytes, gather_ahead, gather_rest, of_bytes, pack_rows, unpack_rows
 
 __all__ = ["LAST_CHECK", "certify"]
 
@@ -33,12 +40,12 @@ LAST_CHECK = 63  # certificate rounds before every row travels with every column
 ROW_BLOCK = 1 << 15  # gathered rows updated at a time by a certificate round
 
 
-def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
+def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats, round_bytes: float = 0.0):
     """Step 4, from the cycles of step 3 (`price_margin.gather_margin`): rounds of checks until no
     fixed token and no gathered row could gain under the cycles' prices (or the budget runs
     out). Fills ``stats``' margin rows, cycles and checks. Returns (slots (T, K) per shard, the
     certificate's prices (E,) float64 with mean zero, certified: False where the cycle budget
-    ran out first)."""
+    ran out first). ``round_bytes``: the price of a round (`price_rows.ahead_rows`)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
     world = red.world
@@ -59,6 +66,7 @@ def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
     fixed = [(~nr) for nr in mg.near]
     outs = [out.clone() for out, _ in mg.picks]
     applied, ok = 0, False
+    most = max(sizes)  # the most rows a rank sent in the last check (or has): the next sends no more ahead
     graph, cancelled, start, slots = mg.graph, mg.cancelled, None, None  # the first round: step 3's cycles
     mg.graph = None  # held here alone, so that each round's graph goes once its cycles ran
     for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole
@@ -88,22 +96,29 @@ def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
                 continue
             bad.append(local[violations(s.index_select(1, local), q, out.index_select(0, local), delta)])
             short.append(part[_short(s.index_select(1, part), q, out.index_select(0, part), sn.of(part), delta)])
-        counts = []
-        for rank, b, sh in zip(red.ranks, bad, short, strict=True):
-            c = torch.zeros(2 * world, dtype=torch.int64, device=b.device)
-            c[rank], c[world + rank] = b.numel(), sh.numel()
-            counts.append(c)
-        summed = red.sum(counts).cpu()
-        b_sizes = (summed[:world] + summed[world:]).tolist()
-        if sum(b_sizes) == 0:
-            ok = True
-            break
         width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
-        made = [  # a new row keyed -1, a short one by its residual row; their best under the new prices
-            pack_rows(s, q[:, None], out, torch.cat([b, sh]), torch.cat([torch.full_like(b, -1), ar[sh]]), width, lay)
-            for s, out, b, sh, ar in zip(s_parts, outs, bad, short, at_row, strict=True)
-        ]
-        more = red.gather([r for r, _ in made], b_sizes).cpu()
+        ahead = min(ahead_rows(round_bytes, world, lay.width(width), 8), most)
+        if ahead:  # the rows, as many as fit, ride with the counts: no sum of its own
+            made = _pack(s_parts, q, outs, bad, short, at_row, width, lay)
+            b_sizes, more = _gather_ahead(made, bad, short, ahead, red)
+            most = max(b_sizes)
+            if most == 0:
+                ok = True
+                break
+        else:
+            counts = []
+            for rank, b, sh in zip(red.ranks, bad, short, strict=True):
+                c = torch.zeros(2 * world, dtype=torch.int64, device=b.device)
+                c[rank], c[world + rank] = b.numel(), sh.numel()
+                counts.append(c)
+            summed = red.sum(counts).cpu()
+            b_sizes = (summed[:world] + summed[world:]).tolist()
+            most = max(b_sizes)
+            if most == 0:
+                ok = True
+                break
+            made = _pack(s_parts, q, outs, bad, short, at_row, width, lay)
+            more = red.gather([r for r, _ in made], b_sizes).cpu()
         again, new_slots, new_s = unpack_rows(more, lay, width)
         old = again >= 0
         added = ids.numel() + torch.cumsum(~old, 0) - 1  # where each new row goes
@@ -130,6 +145,29 @@ def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats):
         stats.margin_rows = ids.numel()
     _write(outs, ids, slots, starts, sizes, red)
     return outs, prices - prices.mean(), ok
+
+
+def _pack(s_parts, q, outs, bad, short, at_row, width, lay):
+    """Per shard, its rows for the check's failing tokens (`pack_rows`): a new row keyed -1, a
+    short one by its residual row; their best columns under the new prices."""
+    return [
+        pack_rows(s, q[:, None], out, torch.cat([b, sh]), torch.cat([torch.full_like(b, -1), ar[sh]]), width, lay)
+        for s, out, b, sh, ar in zip(s_parts, outs, bad, short, at_row, strict=True)
+    ]
+
+
+def _gather_ahead(made, bad, short, ahead, red):
+    """The check's counts (two int32 a rank) and its rows, the first ``ahead`` of each rank's
+    with the counts (`price_rows.gather_ahead`), the rest in a second gather where a rank had
+    more. Returns (rows per rank, every rank's rows in rank order, as the counts' sum and one
+    gather would)."""
+    heads = [
+        as_bytes(torch.tensor([[b.numel(), sh.numel()]], dtype=torch.int32))[0]
+        for b, sh in zip(bad, short, strict=True)
+    ]
+    got, early = gather_ahead(heads, [r for r, _ in made], ahead, red)
+    sizes = of_bytes(got, torch.int32).sum(1).tolist()
+    return sizes, gather_rest([r for r, _ in made], early, sizes, red)
 
 
 class _Sent:

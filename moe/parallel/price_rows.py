@@ -10,10 +10,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SENT", "UNSENT", "RowLayout", "as_bytes", "margin_row_bytes", "of_bytes", "pack_rows", "unpack_rows"]
+__all__ = [
+    "AHEAD_SHARE",
+    "SENT",
+    "UNSENT",
+    "RowLayout",
+    "ahead_rows",
+    "as_bytes",
+    "gather_ahead",
+    "gather_rest",
+    "margin_row_bytes",
+    "of_bytes",
+    "pack_rows",
+    "unpack_rows",
+]
 
 UNSENT = -4.0  # the score of a column a row does not carry: below every normalised score, in [-1, 0]
 SENT = 3  # columns a margin row carries beyond its K slots: its best under the prices
+AHEAD_SHARE = 0.25  # of a round's price, the most the rows sent ahead with their counts may cost
 
 
 def as_bytes(x: Tensor) -> Tensor:
@@ -113,3 +127,41 @@ def margin_row_bytes(total: int, num_experts: int, k: int, dtype) -> int:
     """Bytes of one margin row (no key, its K slots and `SENT` more columns) in a group of
     ``total`` tokens."""
     return RowLayout.of(total, num_experts, k, dtype).width(min(num_experts, k + SENT), keyed=False)
+
+
+def ahead_rows(round_bytes: float, world: int, row_bytes: int, head_bytes: int) -> int:
+    """Rows each rank sends ahead in one gather of fixed size, after its counts (``head_bytes``,
+    in whole rows of ``row_bytes``), where a round is priced at ``round_bytes``: a rank receives
+    every rank's block, and those bytes cost at most `AHEAD_SHARE` of a round. 0 without a price
+    (bytes alone: the counts' sum, then the rows in a gather of the sizes it gave)."""
+    head = -(-head_bytes // row_bytes)
+    return max(int(AHEAD_SHARE * round_bytes // (world * row_bytes)) - head, 0)
+
+
+def gather_ahead(heads: list[Tensor], rows: list[Tensor], ahead: int, red) -> tuple[Tensor, Tensor]:
+    """One gather of fixed size: per local shard its counts ``heads`` (uint8, as long on every
+    rank) in whole rows, then the first ``ahead`` of its ``rows`` ((n, width) uint8, the same
+    width on every rank), zeros beyond them. Returns every rank's counts (W, len) uint8 and
+    first rows (W, ``ahead``, width), of which rank r's first min(n_r, ``ahead``) are its own."""
+    width, length = rows[0].shape[1], heads[0].numel()
+    head = -(-length // width)
+    blocks = []
+    for h, r in zip(heads, rows, strict=True):
+        block = r.new_zeros(head + ahead, width)
+        block.view(-1)[:length] = h.to(r.device)
+        n = min(ahead, r.shape[0])
+        block[head : head + n] = r[:n]
+        blocks.append(block)
+    got = red.gather(blocks, [head + ahead] * red.world).cpu().view(red.world, head + ahead, width)
+    return got[:, :head].reshape(red.world, -1)[:, :length], got[:, head:]
+
+
+def gather_rest(rows: list[Tensor], early: Tensor, sizes: list[int], red) -> Tensor:
+    """Every rank's rows in rank order, as one gather of ``sizes`` would give them, from those
+    `gather_ahead` sent (``early``) and one more gather of the rest where a rank had more
+    (``rows``: the local shards' whole rows)."""
+    ahead = early.shape[1]
+    rest = [max(n - ahead, 0) for n in sizes]
+    late = red.gather([r[ahead:] for r in rows], rest).cpu() if any(rest) else early.new_zeros(0, early.shape[2])
+    late = late.split(rest)
+    return torch.cat([p for r, n in enumerate(sizes) for p in (early[r, : min(n, ahead)], late[r])])

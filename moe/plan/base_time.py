@@ -12,7 +12,10 @@ needs, without a sum of its own) and rows (every rank receives all of them: a sh
 `margin_share` of the group's W T tokens, at least 2E, each with its K + `SENT` best
 experts as uint8 (int16 beyond 256 experts) and their fp32 scores, without a key:
 `price_rows.margin_row_bytes`) and two certificate checks (2W int64 each). Rounds: 6 +
-`PRICE_UPDATES`, 10-17 measured on random scores at W = 64.
+`PRICE_UPDATES`, 10-17 measured on random scores at W = 64. With a round priced (the router
+config's ``base_round_bytes``), each check's counts carry its first rows
+(`price_rows.ahead_rows`): the check that sends rows takes one round, not two, where a
+rank's rows fit (`certificate`).
 
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
 all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, and the rank's
@@ -42,7 +45,7 @@ import torch
 from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE
 from ..parallel.price_prices import PAIR_ROUNDS, PAIR_TRY_ROUNDS, chain_values, pair_bytes, pair_rounds_pay
-from ..parallel.price_rows import margin_row_bytes
+from ..parallel.price_rows import SENT, RowLayout, ahead_rows, margin_row_bytes
 from ..routing.balanced.exact import MAX_ITERS
 from .layout import Layout
 
@@ -50,10 +53,12 @@ __all__ = [
     "PRICE_UPDATES",
     "ROUND_LATENCY_S",
     "STALLED",
+    "certificate",
     "global_base_bytes",
     "global_base_s",
     "local_start_bytes",
     "pair_rounds",
+    "round_bytes",
     "uses_global_base",
 ]
 
@@ -90,6 +95,40 @@ def pair_rounds(cfg: LlamaConfig, lay: Layout, tokens: int) -> bool:
     return pair_rounds_pay(cfg.moe.num_experts, spared, cfg.moe.router_config().base_round_bytes)
 
 
+def round_bytes(bw: float) -> float:
+    """What a round costs in the bytes the link moves in its latency: the router config's
+    ``base_round_bytes`` for an ep group of bandwidth ``bw`` (`moe plan` states it)."""
+    return ROUND_LATENCY_S * bw
+
+
+def _margin_rows(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
+    """Rows at the margin, over the group: a share of the W T tokens, at least 2E."""
+    share = margin_share(cfg.moe.num_experts)
+    if STALLED and not pair_rounds(cfg, lay, tokens):  # stalled without the pair rounds: the cap's eighth
+        share = max(share, CAPPED_SHARE)
+    return max(share * lay.ep * tokens, 2 * cfg.moe.num_experts)
+
+
+def certificate(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]:
+    """(rounds, bytes a rank receives) of the certificate: two checks, the first finding rows.
+    By bytes alone, each check's counts (2W int64) in a sum, then the first's rows (not
+    counted: a few); 3 rounds. With a round priced (``base_round_bytes``), each check's counts
+    and first rows in one gather of fixed size (`price_rows.ahead_rows`): 2 rounds where
+    a rank's rows fit, taken as 1.25 times its margin rows (0.06-1.24 times measured in the
+    first check of the replayed training scores at W = 8), with the first check's padding up
+    to the rows it allows (at most a rank's tokens) and the second's up to the first's rows."""
+    W, E, K = lay.ep, cfg.moe.num_experts, cfg.moe.top_k
+    price = cfg.moe.router_config().base_round_bytes
+    reduce = 2 * (W - 1) / W
+    row = RowLayout.of(W * tokens, E, K, torch.float32).width(min(E, K + SENT))
+    ahead = ahead_rows(price, W, row, 8)
+    if not ahead:
+        return 3, 2 * reduce * 2 * W * 8
+    first = 1.25 * _margin_rows(cfg, lay, tokens) / W
+    sent = min(ahead, tokens)
+    return (2 if first <= ahead else 3), W * row * (sent + 1 + min(sent, first) + 1)
+
+
 def local_start_bytes(W: int, E: int) -> float:
     """Bytes the local start adds to a warm solve: every rank's prices (W x E, float32 bits in
     int32) on the first update's sum, then its chain's counts beside the given prices' from
@@ -107,18 +146,15 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     pairs = pair_rounds(cfg, lay, tokens)
     pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)
     counts = reduce * (E + W + 33) * 8
-    share = margin_share(E)
-    if STALLED and not pairs:  # stalled without the pair rounds: at least the cap's eighth
-        share = max(share, CAPPED_SHARE)
-    rows = max(share * W * tokens, 2 * E) * _row(cfg, lay, tokens)
-    certificate = 2 * reduce * 2 * W * 8
-    return header + prices + pair_counts + counts + rows + certificate + local_start_bytes(W, E)
+    rows = _margin_rows(cfg, lay, tokens) * _row(cfg, lay, tokens)
+    checks = certificate(cfg, lay, tokens)[1]
+    return header + prices + pair_counts + counts + rows + checks + local_start_bytes(W, E)
 
 
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
     pairs = pair_rounds(cfg, lay, tokens)
-    rounds = PRICE_UPDATES + 6 + (PAIR_TRY_ROUNDS if pairs else 0)
+    rounds = PRICE_UPDATES + 3 + certificate(cfg, lay, tokens)[0] + (PAIR_TRY_ROUNDS if pairs else 0)
     passes = PASSES + (PAIR_ROUNDS if pairs else 0) + LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES
     local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..config import MoEConfig
 from ..models.llama import PRESETS, LlamaConfig
+from . import base_time
 from .hardware import GPUS, gpu_from_spec
 from .layout import PRECISIONS, parse_layout
 from .memory import COMPONENTS, USABLE_FRACTION, TrainShape
@@ -76,7 +77,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def _describe(plan, gpu) -> str:
+def _describe(plan, gpu, cfg) -> str:
     lines = [f"layout {plan.layout.short()}: {'fits' if plan.fits else 'DOES NOT FIT: ' + str(plan.reason)}"]
     if plan.memory is None:
         return "\n".join(lines)
@@ -94,6 +95,13 @@ def _describe(plan, gpu) -> str:
     )
     lines.append("overlapped with compute: " + ", ".join(f"{k} {v:.3g} s" for k, v in t.overlapped_s.items()))
     lines.append("bytes per rank and step: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in t.bytes_per_rank.items()))
+    if t.base_round_bytes:
+        now = cfg.moe.router_config().base_round_bytes
+        lines.append(
+            f"global BASE: a round of its collectives costs what the ep group's link moves in "
+            f"{base_time.ROUND_LATENCY_S * 1e6:.0f} us, {t.base_round_bytes:.3g} bytes: set the router option "
+            f"base_round_bytes to it to weigh its rounds against its bytes (now {now:.3g})"
+        )
     lines.append(
         f"{t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {t.tflops_per_gpu:.0f} model TFLOP/s/GPU, "
         f"MFU {t.mfu:.1%} (of the bf16 dense peak); {t.model_flops:.3g} model FLOPs per step"
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(plan.to_json(cfg, gpu) | {"nearest_fitting": [p.layout.short() for p in near]}, indent=1))
         else:
             print(_header(cfg, gpu, args))
-            print(_describe(plan, gpu))
+            print(_describe(plan, gpu, cfg))
         if args.check_memory and plan.memory is not None:
             from .memcheck import check_memory_report
 

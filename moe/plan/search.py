@@ -39,6 +39,7 @@ class Plan:
                 "step_s": t.step_s, "compute_s": t.compute_s, "bubble_s": t.bubble_s, "exposed_s": t.exposed_s,
                 "overlapped_s": t.overlapped_s, "collective_bytes_per_rank": t.bytes_per_rank,
                 "executed_flops_per_rank": t.executed_flops, "model_flops_per_step": t.model_flops,
+                "base_round_bytes": t.base_round_bytes,
             }  # fmt: skip
         else:
             out |= {"tokens_per_s_per_gpu": None, "mfu": None}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .attention import AttentionShape
-from .base_time import global_base_bytes, global_base_s, uses_global_base
+from .base_time import global_base_bytes, global_base_s, round_bytes, uses_global_base
 from .dispatch_time import chunk_latency_s, ep_layer, ep_ranks_per_node, exchange_s, exposed, fixed_latency_s
 from .dualpipev import bubble_fraction
 from .hardware import EFFICIENCY, GPU, Efficiency
@@ -67,6 +67,7 @@ class StepTime:
     tokens_per_s_per_gpu: float = 0.0
     tflops_per_gpu: float = 0.0
     mfu: float = 0.0  # model FLOPs against the bf16 dense peak
+    base_round_bytes: float = 0.0  # global BASE: a round at the ep group's link, in bytes (0: no solve)
 
 
 def _layer_flops(
@@ -129,7 +130,7 @@ def step_time(
     flops = {kind: _layer_flops(cfg, lay, i, T, S, attention) for kind, i in _kinds(cfg)}
     n_coll = 12 if lay.recompute else 8  # AG + RS before/after attention and MLP, forward + backward
     tp_layer = n_coll * (lay.tp - 1) / lay.tp * T * D * a if lay.tp > 1 else 0.0
-    ep_in_layer = ep_out_layer = ep_layer_s = ep_hidden_layer_s = base_layer_s = base_layer_b = 0.0
+    ep_in_layer = ep_out_layer = ep_layer_s = ep_hidden_layer_s = base_layer_s = base_layer_b = base_round = 0.0
     if cfg.moe is not None and lay.ep > 1:
         intra, inter = ep_layer(cfg, lay, T, _routed_rows(cfg, T), a, gpn)
         n_a2a = 6 if lay.recompute else 4  # dispatch + combine, forward and backward
@@ -147,6 +148,7 @@ def step_time(
             bw = _group_bw(gpu, eff, lay.ep * lay.tp, gpn)
             base_layer_s = forwards * global_base_s(cfg, lay, T, bw, gpu.hbm_bw * eff.hbm)
             base_layer_b = forwards * global_base_bytes(cfg, lay, T)
+            base_round = round_bytes(bw)
 
     # per micro-batch time of each pipeline rank (all its virtual stages); the slowest sets the pace
     c = lay.coords(0)
@@ -215,7 +217,7 @@ def step_time(
         bytes_per_rank={"tp_all_gather_reduce_scatter": M * tp_b, "ep_all_to_all_intra_node": M * ep_in,
                         "ep_all_to_all_inter_node": M * ep_out, "global_base": M * base_b, "pp_send_recv": pp_bytes,
                         "fsdp_all_gather": fsdp_ag, "fsdp_reduce_scatter": fsdp_rs, "dp_all_reduce": dp_ar},
-        executed_flops=M * flops_mb, model_flops=mf,
+        executed_flops=M * flops_mb, model_flops=mf, base_round_bytes=base_round,
     )  # fmt: skip
     out.tokens_per_s_per_gpu = shape.global_batch_tokens / step / lay.world
     out.tflops_per_gpu = mf / step / lay.world / 1e12

@@ -898,6 +898,58 @@ def test_rows_short_of_columns_come_back_with_more(sizes, e, k, kind, extras, se
     assert stats.margin_rows <= total
 
 
+@pytest.mark.parametrize("sent", [0, 3])
+def test_a_priced_round_sends_the_certificates_rows_with_its_counts(sent):
+    """With a round priced (``round_bytes``), each certificate check sends its counts and its
+    first rows in one gather of fixed size (`price_certificate.ahead_rows`) instead of the
+    counts' sum and then the rows: the same assignment and prices, the same collectives before
+    the certificate, one round fewer per check that sent rows where every rank's fit, and none
+    more where they do not (the rest follows in a second gather). ``sent`` 0: rows of their
+    slots alone, which travel again at every check up to the last."""
+    sizes = [60, 65, 0, 75]
+    x = make_scores(40, sum(sizes), 24, "gauss")
+    far = 0.02 * float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-1, 1, 24, dtype=torch.float64)
+
+    def solve(round_bytes):
+        with mock.patch.object(price_margin, "SENT", sent):
+            return price_balanced_assignment(split(x, sizes), 2, ShardReduce(4), prices=far, max_price_iters=0,
+                                             round_bytes=round_bytes)  # fmt: skip
+
+    plain_out, plain_p, plain = solve(0.0)
+    checks = plain.log[plain.check_from :]
+    with_rows = sum(kind == "gather" for kind, _, _ in checks)
+    assert with_rows >= 2 and {(kind, values) for kind, values, _ in checks[::2]} == {("sum", 8)}, checks
+    ref = balanced_assignment(x, 2)
+    assert torch.equal(same_order(torch.cat(plain_out)), same_order(ref))
+    for round_bytes in (1e9, 2000.0):  # every row fits; one row a rank ahead (4 x 2 rows of 49 bytes)
+        out, p, stats = solve(round_bytes)
+        assert torch.equal(torch.cat(out), torch.cat(plain_out)) and torch.equal(p, plain_p), round_bytes
+        assert stats.log[: stats.check_from] == plain.log[: plain.check_from] and stats.checks == plain.checks
+        mine = stats.log[stats.check_from :]
+        sums = sum(kind == "sum" for kind, _, _ in mine)
+        if round_bytes == 1e9:  # at sent 0 the last check sends every row whole: more than a rank sent before
+            assert sums == 0 and stats.rounds == plain.rounds - with_rows + (sent == 0), mine
+        else:  # a rest gather in some checks; at sent 0 the last check's whole rows (102 bytes) too wide
+            assert sums == (sent == 0) and len(mine) > stats.checks, mine
+            assert plain.rounds - with_rows < stats.rounds <= plain.rounds
+
+
+def test_rows_sent_ahead_cost_at_most_their_share_of_a_round():
+    """`ahead_rows`: the most rows a rank can send ahead, after its counts in whole rows, whose
+    bytes, received from every rank, cost at most `AHEAD_SHARE` of a round; none without a
+    price."""
+    assert price_rows.ahead_rows(0.0, 8, 24, 8) == 0
+    cases = [(1.25e6, 8, 24, 8), (1.25e6, 1024, 59, 8), (2000.0, 4, 49, 8), (500.0, 4, 49, 8), (1e6, 8, 7, 8)]
+    cases += [(1.25e6, 8, 20, 4 * (64 + 34))]  # the margin's counts at E = 64 over 20 rows
+    for round_bytes, world, width, head_bytes in cases:
+        n = price_rows.ahead_rows(round_bytes, world, width, head_bytes)
+        head = -(-head_bytes // width)
+        share = price_rows.AHEAD_SHARE * round_bytes
+        assert n == 0 or (n + head) * world * width <= share, (round_bytes, world, n)
+        assert (n + head + 1) * world * width > share, (round_bytes, world, n)
+    assert price_rows.ahead_rows(1.25e6, 8, 24, 8) == 1626 and price_rows.ahead_rows(1e6, 8, 7, 8) == 4462
+
+
 def test_bad_input_on_one_rank_raises_for_all():
     x = make_scores(0, 20, 4, "gauss")
     parts = split(x, [10, 10])
@@ -953,6 +1005,18 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     assert stats.checks >= 2 and first // width < stats.margin_rows, stats  # rows new to the certificate
     start = sum(sizes[:me])
     assert torch.equal(same_order(got), same_order(balanced_assignment(x, 2)[start : start + sizes[me]])), me
+    # with a round priced, each check's counts and first rows in one gather of fixed size (at
+    # 2000 bytes a few rows a rank, the rest in a second gather of uneven sizes): the same
+    # collectives, prices and assignment as the simulation, and the same assignment as above
+    for round_bytes in (1e9, 2000.0):
+        opts = dict(prices=far, max_price_iters=0, round_bytes=round_bytes)
+        (got_r,), p_r, stats_r = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group), **opts)
+        sim, p_sim, sim_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world), **opts)
+        ahead = [kind for kind, _, _ in stats_r.log[stats_r.check_from :]]
+        assert stats_r.log == sim_stats.log and stats_r.checks >= 2 and set(ahead) == {"gather"}, stats_r.log
+        assert (len(ahead) > stats_r.checks) == (round_bytes == 2000.0), ahead  # the rest gathered apart
+        assert torch.equal(p_r, p_sim) and torch.equal(got_r, sim[me]), me
+        assert torch.equal(same_order(got_r), same_order(got)), me
     # the pair rounds after one update from the previous scores' prices (the local start off:
     # one process has none): the same counts, moves and agreed prices on every rank as one
     # process solving the stacked problem

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe.models.llama import LlamaConfig
-from moe.parallel import price_prices
+from moe.parallel import price_prices, price_rows
 from moe.parallel.price_base import CAPPED_SHARE, price_balanced_assignment
 from moe.parallel.price_prices import PAIR_TRY_ROUNDS, pair_bytes
 from moe.parallel.reduction import ShardReduce
@@ -142,3 +142,44 @@ def test_a_round_priced_in_bytes_keeps_the_pair_rounds_off_a_small_group():
     (runs_free, share_free), (runs_priced, share_priced) = shares.values()
     assert runs_free and not runs_priced
     assert share_free > 0.03 > share_priced, shares
+
+
+def test_a_priced_round_sends_the_certificates_rows_with_its_counts():
+    """With ``base_round_bytes`` set, the model counts the certificate as the solver runs it
+    (`price_certificate.ahead_rows`): at llama2-moe-1.2t (ep = 8, E = 24, K = 2) a rank's rows
+    fit what a check sends ahead, so the certificate takes 2 rounds, not 3, for its padding's
+    bytes; at the deepseek-v3-like layout (ep = 64, K = 8) stalled with a margin of 15% they do
+    not fit, and it takes 3 rounds and pays the padding. Bytes alone: 3 rounds, 2 sums."""
+    for case, fits in ((LARGE, True), (DEEPSEEK, False)):
+        name, gpu, lay, seqs = case
+        cfg = _base(name)
+        priced = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router_options={"base_round_bytes": 1.25e6}))
+        with (
+            mock.patch.object(base_time, "STALLED", True),
+            mock.patch.object(base_time, "margin_share", lambda e: 0.15),
+        ):
+            free, paid = base_time.certificate(cfg, lay, 4096), base_time.certificate(priced, lay, 4096)
+            W, E, K = lay.ep, cfg.moe.num_experts, cfg.moe.top_k
+            row = price_rows.RowLayout.of(W * 4096, E, K, torch.float32).width(min(E, K + price_rows.SENT))
+            ahead = price_rows.ahead_rows(1.25e6, W, row, 8)
+            first = 1.25 * max(0.15 * W * 4096, 2 * E) / W
+            base = [base_time.global_base_s(c, lay, 4096, 1e12, 1e15) for c in (cfg, priced)]
+            pairs = PAIR_TRY_ROUNDS * (base_time.pair_rounds(priced, lay, 4096) - base_time.pair_rounds(cfg, lay, 4096))
+        assert free == (3, 2 * 2 * (W - 1) / W * 2 * W * 8)
+        assert paid[0] == (2 if fits else 3) and (first <= ahead) == fits, (name, ahead, first)
+        assert paid[1] == W * row * (min(ahead, 4096) + 1 + min(ahead, first) + 1)
+        assert paid[1] <= 2 * price_rows.AHEAD_SHARE * 1.25e6  # two checks, each within its share
+        # at a fast link the rounds' latency is what differs (at llama2-moe-1.2t the price keeps
+        # the pair rounds off too)
+        assert pairs == (-PAIR_TRY_ROUNDS if fits else 0)
+        rounds = paid[0] - free[0] + pairs
+        assert base[1] - base[0] == pytest.approx(rounds * base_time.ROUND_LATENCY_S, abs=1e-6), name
+
+
+def test_the_plan_states_the_price_of_a_round_on_the_ep_groups_link():
+    """`moe plan` gives the ``base_round_bytes`` a round costs on the ep group's link (50 us at
+    the h200's 50 GB/s between nodes, at 90%: 2.25e6 bytes) where the model balances BASE over
+    the group, and 0 where it does not."""
+    name, gpu, lay, seqs = LARGE
+    assert _step(_base(name), lay, gpu, seqs).base_round_bytes == pytest.approx(50e-6 * 50e9 * 0.9)
+    assert _step(LlamaConfig.from_name(name), lay, gpu, seqs).base_round_bytes == 0  # top-k: no solve

@@ -311,3 +311,23 @@ def test_dualpipev_plans_between_1f1b_and_interleaved():
     assert times["interleaved_1f1b"] < times["dualpipev"] < times["1f1b"], times
     lay = parse_layout("pp=4,schedule=dualpipev,dp_shard=2", gpus=8)
     assert memory(cfg, lay, shape, 0)["logits"] > 0  # the last stage (7) is on rank 0
+
+
+def test_cli_states_the_price_of_a_round_of_global_base(capsys, tmp_path):
+    """A BASE router over an ep group: the plan says what a round of the solver's collectives
+    costs on that group's link (``base_round_bytes``), in its text and its JSON."""
+    from moe.plan import base_time
+    from moe.plan.hardware import GPUS
+    from moe.plan.time import EFFICIENCY
+
+    path = tmp_path / "model.json"
+    fields = dict(dim=512, n_layers=4, n_heads=8, vocab_size=1000, ffn_hidden_dim=1408)
+    fields["moe"] = dict(dim=512, hidden_dim=704, num_experts=4, top_k=2, router="base")
+    path.write_text(json.dumps(fields))
+    args = ["--model", str(path), "--gpus", "8", "--seq-len", "512", "--global-batch-tokens", "8192",
+            "--layout", "ep=4,dp_shard=8"]  # fmt: skip
+    want = base_time.ROUND_LATENCY_S * GPUS["h100"].nvlink_bw * EFFICIENCY.nvlink  # ep = 4 within a node
+    status, out, _ = _run(capsys, *args, "--json")
+    assert status == 0 and json.loads(out)["base_round_bytes"] == pytest.approx(want)
+    status, out, _ = _run(capsys, *args)
+    assert status == 0 and f"{want:.3g} bytes: set the router option base_round_bytes" in out, out
