@@ -277,7 +277,7 @@ def price_balanced_assignment(
         min_rows = min(max(MIN_ROWS * num_experts, 0 if converged else int(CAPPED_SHARE * total)), total)
         if first is None:  # at the updates' prices, their tokens by margin counted where they stopped
             first = MarginStart(s_parts, p, width, k, red, gaps, min_rows)
-        margin = gather_margin(s_parts, sizes, first, cap, caps, k, red, delta, budget, min_rows)
+        margin = gather_margin(s_parts, sizes, first, cap, caps, k, red, delta, budget, min_rows, round_bytes)
         stats.check_from = red.rounds - rounds0
         out, p_final, ok = certify(margin, s_parts, starts, sizes, k, red, delta, budget, stats, round_bytes)
         if not ok:

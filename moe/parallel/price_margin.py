@@ -62,7 +62,18 @@ from ..routing.balanced import _fill
 from ..routing.cycle_graph import _Graph
 from ..routing.exchange import violations
 from .price_prices import GAP_BINS, MIN_BAND, gap_counts, gap_edges, pick
-from .price_rows import SENT, UNSENT, RowLayout, pack_rows, unpack_rows
+from .price_rows import (
+    SENT,
+    UNSENT,
+    RowLayout,
+    ahead_rows,
+    as_bytes,
+    gather_ahead,
+    gather_rest,
+    of_bytes,
+    pack_rows,
+    unpack_rows,
+)
 
 __all__ = ["GAP_BINS", "Margin", "MarginStart", "append_rows", "gather_margin", "residual_graph"]
 
@@ -130,9 +141,13 @@ class Margin:
     cols: int  # the columns a row carries
 
 
-def gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, budget, min_rows) -> Margin:
+def gather_margin(
+    s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, budget, min_rows, round_bytes: float = 0.0
+) -> Margin:
     """Step 3: the bands grow until the fixed tokens leave room the gathered rows can fill on
-    the columns they carry."""
+    the columns they carry. ``round_bytes``: the price of a round; where set, and the first
+    counts did not ride on an earlier collective, they travel with the first band's rows
+    (`_counts_ahead`)."""
     num_experts = s_parts[0].shape[0]
     dtype = s_parts[0].dtype
     world = red.world
@@ -152,7 +167,17 @@ def gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, 
     # the margin and its summed counts for the next pass: the first band's (where their sum rode
     # on the pair rounds' check, without a round of its own), then a widening's (summed with
     # its weighing)
-    agreed = first.first, (red.sum(first.counts).cpu() if first.summed is None else first.summed)
+    early = None  # the first band's rows where they came with its counts, kept while it stands
+    if first.summed is not None:
+        summed = first.summed
+    else:
+        head = 4 * (num_experts + GAP_BINS + 2)  # a rank's own counts as int32
+        ahead = min(ahead_rows(round_bytes, world, lay.width(cols, keyed=False), head), max(sizes))
+        if ahead:
+            summed, early = _counts_ahead(s_parts, first, cols, lay, ahead, red)
+        else:
+            summed = red.sum(first.counts).cpu()
+    agreed = first.first, summed
     while True:
         if agreed is None:
             last, near, want, counts = _margin_counts(s_parts, p1, picks, by_gap, band, pull, red)
@@ -164,18 +189,24 @@ def gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, 
         if sum(m_sizes) < min_rows and not last:  # to the first edge with enough rows below it: one more count
             below = summed[num_experts + world : num_experts + world + GAP_BINS].cumsum(0)
             band.clamp_(min=float(edges[min(int((below < min_rows).sum()), GAP_BINS - 1)]))  # far prices: past 4
+            early = None  # the wider band's rows go in one gather, as without them
             continue
         if not bool((room >= 0).all()):  # the fixed tokens overfill these experts: their bands grow
             band[room < 0] *= STEP
+            early = None
             continue
         new_sizes = [m - h for m, h in zip(m_sizes, had_sizes, strict=True)]  # the bands only grow
         if sum(new_sizes):
             added = [(nr & ~h).nonzero().flatten() for nr, h in zip(near, had, strict=True)]
-            made = [
-                pack_rows(s, p1, out, lc, None, cols, lay, w.index_select(0, lc))
-                for s, (out, _), lc, w in zip(s_parts, picks, added, want, strict=True)
-            ]
-            rows = red.gather([r for r, _ in made], new_sizes).cpu()
+            if early is not None:  # the first band's rows: those that came with its counts, and the rest
+                made, sent = early
+                rows = gather_rest([r for r, _ in made], sent, new_sizes, red)
+            else:
+                made = [
+                    pack_rows(s, p1, out, lc, None, cols, lay, w.index_select(0, lc))
+                    for s, (out, _), lc, w in zip(s_parts, picks, added, want, strict=True)
+                ]
+                rows = red.gather([r for r, _ in made], new_sizes).cpu()
             for rank, lc, (_, got), (lcs, at, gots) in zip(red.ranks, added, made, mine, strict=True):
                 row0 = s_res.shape[1] + sum(new_sizes[:rank])  # this rank's first row in the gather
                 lcs.append(lc)
@@ -183,6 +214,7 @@ def gather_margin(s_parts, sizes, first: MarginStart, cap, caps, k, red, delta, 
                 gots.append(got)
             s_res = append_rows(s_res, unpack_rows(rows, lay, cols, keyed=False)[2])
             had, had_sizes = near, m_sizes
+        early = None  # sent (or none to send): a later band sends only the rows it adds
         slots = torch.full((s_res.shape[1], k), -1, dtype=torch.int64)
         graph = None  # the last band's graph: its gains go before the fill's passes
         try:
@@ -283,6 +315,27 @@ def residual_graph(s_res: Tensor, slots_MK: Tensor, delta: float, extra) -> _Gra
     is the transpose of row-major rows (`append_rows`), the (M, E) the graph reads; nothing
     writes them while it lives."""
     return _Graph(s_res.numpy(), slots_MK.numpy().copy(), delta, None if extra is None else extra.copy())
+
+
+def _counts_ahead(s_parts, first: MarginStart, cols: int, lay: RowLayout, ahead: int, red):
+    """The margin's first counts and its first band's rows in one gather of fixed size
+    (`price_rows.gather_ahead`, where a round is priced): each rank's own counts as int32 (its
+    fixed tokens' loads, its margin rows, its tokens by margin), summed on arrival into the E +
+    W + 33 values the sum would give, then the first ``ahead`` rows of its margin tokens in
+    token order. Returns (the summed counts, (each shard's rows and their columns as
+    `pack_rows` made them, every rank's rows sent ahead))."""
+    num_experts, world = s_parts[0].shape[0], red.world
+    _, near, want = first.first
+    heads, made = [], []
+    for rank, c, s, (out, _), nr, w in zip(red.ranks, first.counts, s_parts, first.picks, near, want, strict=True):
+        own = torch.cat([c[:num_experts], c[num_experts + rank : num_experts + rank + 1], c[num_experts + world :]])
+        heads.append(as_bytes(own.to(torch.int32)[None])[0])
+        lc = nr.nonzero().flatten()
+        made.append(pack_rows(s, first.p1, out, lc, None, cols, lay, w.index_select(0, lc)))
+    got, sent = gather_ahead(heads, [r for r, _ in made], ahead, red)
+    own = of_bytes(got, torch.int32).long()
+    summed = torch.cat([own[:, :num_experts].sum(0), own[:, num_experts], own[:, num_experts + 1 :].sum(0)])
+    return summed, (made, sent)
 
 
 def _margin_counts(s_parts, p_E1, picks, by_gap, band, pull, red):

@@ -15,7 +15,8 @@ experts as uint8 (int16 beyond 256 experts) and their fp32 scores, without a key
 `PRICE_UPDATES`, 10-17 measured on random scores at W = 64. With a round priced (the router
 config's ``base_round_bytes``), each check's counts carry its first rows
 (`price_rows.ahead_rows`): the check that sends rows takes one round, not two, where a
-rank's rows fit (`certificate`).
+rank's rows fit (`certificate`); so do the margin's first counts where they do not ride on the
+pair rounds' check (`margin`).
 
 Assumed, not measured on a cluster: each round costs `ROUND_LATENCY_S` (a small all-reduce or
 all-gather across nodes with NCCL), the bytes move at the ep group's bandwidth, and the rank's
@@ -44,7 +45,7 @@ import torch
 
 from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE
-from ..parallel.price_prices import PAIR_ROUNDS, PAIR_TRY_ROUNDS, chain_values, pair_bytes, pair_rounds_pay
+from ..parallel.price_prices import GAP_BINS, PAIR_ROUNDS, PAIR_TRY_ROUNDS, chain_values, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import SENT, RowLayout, ahead_rows, margin_row_bytes
 from ..routing.balanced.exact import MAX_ITERS
 from .layout import Layout
@@ -57,6 +58,7 @@ __all__ = [
     "global_base_bytes",
     "global_base_s",
     "local_start_bytes",
+    "margin",
     "pair_rounds",
     "round_bytes",
     "uses_global_base",
@@ -109,6 +111,25 @@ def _margin_rows(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     return max(share * lay.ep * tokens, 2 * cfg.moe.num_experts)
 
 
+def margin(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]:
+    """(rounds, bytes a rank receives) of the margin: its counts (E + W + 33 int64, in a sum of
+    their own or on the pair rounds' check) and its rows, 2 rounds. With a round priced
+    (``base_round_bytes``) and no pair rounds, each rank's own counts (E + 34 int32) travel with
+    its first rows in one gather of fixed size (`price_rows.ahead_rows`): 1 round where a
+    rank's rows fit, padded to the rows it allows (at most a rank's tokens); else that gather
+    and one of the rest."""
+    W, E = lay.ep, cfg.moe.num_experts
+    reduce = 2 * (W - 1) / W
+    rows, row = _margin_rows(cfg, lay, tokens), _row(cfg, lay, tokens)
+    price = cfg.moe.router_config().base_round_bytes
+    head = 4 * (E + GAP_BINS + 2)
+    ahead = 0 if pair_rounds(cfg, lay, tokens) else min(ahead_rows(price, W, row, head), tokens)
+    if not ahead:
+        return 2, reduce * (E + W + GAP_BINS + 1) * 8 + rows * row
+    sent = W * (-(-head // row) + ahead) * row
+    return (1, sent) if rows / W <= ahead else (2, sent + (rows - W * ahead) * row)
+
+
 def certificate(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]:
     """(rounds, bytes a rank receives) of the certificate: two checks, the first finding rows.
     By bytes alone, each check's counts (2W int64) in a sum, then the first's rows (not
@@ -145,16 +166,16 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     prices = PRICE_UPDATES * reduce * chain_values(E) * 4
     pairs = pair_rounds(cfg, lay, tokens)
     pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)
-    counts = reduce * (E + W + 33) * 8
-    rows = _margin_rows(cfg, lay, tokens) * _row(cfg, lay, tokens)
+    rows = margin(cfg, lay, tokens)[1]
     checks = certificate(cfg, lay, tokens)[1]
-    return header + prices + pair_counts + counts + rows + checks + local_start_bytes(W, E)
+    return header + prices + pair_counts + rows + checks + local_start_bytes(W, E)
 
 
 def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
     """Seconds of one solve of one layer: rounds x latency, bytes over ``bw``, the local passes."""
     pairs = pair_rounds(cfg, lay, tokens)
-    rounds = PRICE_UPDATES + 3 + certificate(cfg, lay, tokens)[0] + (PAIR_TRY_ROUNDS if pairs else 0)
+    rounds = PRICE_UPDATES + 1 + margin(cfg, lay, tokens)[0] + certificate(cfg, lay, tokens)[0]
+    rounds += PAIR_TRY_ROUNDS if pairs else 0
     passes = PASSES + (PAIR_ROUNDS if pairs else 0) + LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES
     local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

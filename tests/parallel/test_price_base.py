@@ -11,7 +11,7 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from moe.parallel import price_base, price_margin, price_prices, price_rows
+from moe.parallel import price_base, price_certificate, price_margin, price_prices, price_rows
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
 from moe.parallel.reduction import GroupReduce, ShardReduce
@@ -36,10 +36,10 @@ def split(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(x.split(sizes))
 
 
-def solve_simulated(x, sizes, k, extras, prices=None, local_start=True):
+def solve_simulated(x, sizes, k, extras, prices=None, local_start=True, round_bytes=0.0):
     red = ShardReduce(len(sizes))
     out, p, stats = price_balanced_assignment(
-        split(x, sizes), k, red, extras=extras, prices=prices, local_start=local_start
+        split(x, sizes), k, red, extras=extras, prices=prices, local_start=local_start, round_bytes=round_bytes
     )
     return torch.cat(out), p, stats
 
@@ -55,11 +55,12 @@ sizes_st = st.lists(st.integers(0, 12), min_size=1, max_size=5)
     extras=st.sampled_from(["best", "lowest"]),
     seed=st.integers(0, 2**16),
     all_on_one=st.booleans(),
+    priced=st.sampled_from([0.0, 3000.0, 1e9]),  # the warm solve's round price: rows ahead of the counts
 )
-@example(sizes=[10, 10, 10], e=5, k=1, kind="gauss", extras="best", seed=1, all_on_one=False)
-@example(sizes=[0, 7, 0], e=4, k=1, kind="int", extras="best", seed=0, all_on_one=False)  # empty ranks
-@example(sizes=[5, 3], e=8, k=3, kind="equal", extras="best", seed=1, all_on_one=False)  # T*K % E != 0, all tied
-def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, seed, all_on_one):
+@example(sizes=[10, 10, 10], e=5, k=1, kind="gauss", extras="best", seed=1, all_on_one=False, priced=0.0)
+@example(sizes=[0, 7, 0], e=4, k=1, kind="int", extras="best", seed=0, all_on_one=False, priced=1e9)  # empty ranks
+@example(sizes=[5, 3], e=8, k=3, kind="equal", extras="best", seed=1, all_on_one=False, priced=3000.0)  # all tied
+def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, seed, all_on_one, priced):
     k = min(k, e)
     if all_on_one:  # one rank holds every token
         sizes = [sum(sizes)] + [0] * (len(sizes) - 1)
@@ -75,7 +76,7 @@ def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, se
     if prices is not None:  # the returned prices (in the scores' units) certify the optimum
         assert float(assignment_bound(x, prices, k, extras=extras) - assignment_score(x, got)) <= 2 * tol
     if prices is not None:  # a warm start from the returned prices reaches the same optimum
-        warm, _, _ = solve_simulated(x, sizes, k, extras, prices)
+        warm, _, _ = solve_simulated(x, sizes, k, extras, prices, round_bytes=priced)
         check_feasible(warm, total, e, k, extras)
         assert abs(float(assignment_score(x, warm) - assignment_score(x, got))) <= 2 * tol
 
@@ -901,17 +902,18 @@ def test_rows_short_of_columns_come_back_with_more(sizes, e, k, kind, extras, se
 @pytest.mark.parametrize("sent", [0, 3])
 def test_a_priced_round_sends_the_certificates_rows_with_its_counts(sent):
     """With a round priced (``round_bytes``), each certificate check sends its counts and its
-    first rows in one gather of fixed size (`price_certificate.ahead_rows`) instead of the
-    counts' sum and then the rows: the same assignment and prices, the same collectives before
-    the certificate, one round fewer per check that sent rows where every rank's fit, and none
-    more where they do not (the rest follows in a second gather). ``sent`` 0: rows of their
-    slots alone, which travel again at every check up to the last."""
+    first rows in one gather of fixed size (`price_rows.ahead_rows`) instead of the counts' sum
+    and then the rows: the same assignment and prices, the same collectives before the
+    certificate (the margin's rows ahead kept off here: the next test), one round fewer per
+    check that sent rows where every rank's fit, and none more where they do not (the rest
+    follows in a second gather). ``sent`` 0: rows of their slots alone, which travel again at
+    every check up to the last."""
     sizes = [60, 65, 0, 75]
     x = make_scores(40, sum(sizes), 24, "gauss")
     far = 0.02 * float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-1, 1, 24, dtype=torch.float64)
 
     def solve(round_bytes):
-        with mock.patch.object(price_margin, "SENT", sent):
+        with mock.patch.object(price_margin, "SENT", sent), mock.patch.object(price_margin, "ahead_rows", lambda *a: 0):
             return price_balanced_assignment(split(x, sizes), 2, ShardReduce(4), prices=far, max_price_iters=0,
                                              round_bytes=round_bytes)  # fmt: skip
 
@@ -932,6 +934,47 @@ def test_a_priced_round_sends_the_certificates_rows_with_its_counts(sent):
         else:  # a rest gather in some checks; at sent 0 the last check's whole rows (102 bytes) too wide
             assert sums == (sent == 0) and len(mine) > stats.checks, mine
             assert plain.rounds - with_rows < stats.rounds <= plain.rounds
+
+
+@pytest.mark.parametrize("iters", [2, 0])
+def test_a_priced_round_sends_the_margins_first_rows_with_its_counts(iters):
+    """With a round priced, the margin's first counts (where they did not ride on an earlier
+    collective) travel as each rank's own counts with the first rows of its first band, in one
+    gather of fixed size, instead of their sum and then the rows (the certificate's rows ahead
+    kept off here). Where that band stands (2 updates from far prices), the rows that came are
+    the margin's first gather (with a second for the rest where a rank had more than came:
+    10 rows ahead at 12,000 bytes a round), and where all came the solve takes one round
+    fewer; where it grows (no update: too few rows, then experts overfilled), they are dropped
+    and the wider band's rows gather as without them, in the same rounds. The same assignment
+    and prices, bit for bit, and the same collectives but the first margin sum."""
+    sizes = [60, 65, 0, 75]
+    x = make_scores(40, sum(sizes), 24, "gauss")
+    far = 0.02 * float((x.amax(1) - x.amin(1)).amax()) * torch.linspace(-1, 1, 24, dtype=torch.float64)
+
+    def solve(round_bytes):
+        with mock.patch.object(price_certificate, "ahead_rows", lambda *a: 0):
+            return price_balanced_assignment(split(x, sizes), 2, ShardReduce(4), prices=far, max_price_iters=iters,
+                                             round_bytes=round_bytes)  # fmt: skip
+
+    plain_out, plain_p, plain = solve(0.0)
+    kinds = [(kind, values) for kind, values, _ in plain.log]
+    at = kinds.index(("sum", 24 + 4 + price_prices.GAP_BINS + 1))  # the margin's first counts
+    stands = iters == 2
+    # standing, the rows came: the gather after the sum is gone; grown, two more sums came first
+    assert [kind for kind, _ in kinds[at + 1 : at + 3]] == (["gather", "sum"] if stands else ["sum", "sum"])
+    rows = plain.log[at + 1][1] // (2 + 3) // (1 + 8)  # fp64 rows of 5 columns
+    assert stands <= (rows > 3 * 10)  # more rows than 10 a rank: a rest to gather at 12,000 bytes
+    for round_bytes in (1e9, 12000.0):
+        out, p, stats = solve(round_bytes)
+        assert torch.equal(torch.cat(out), torch.cat(plain_out)) and torch.equal(p, plain_p)
+        assert (
+            stats.log[at][0] == "gather" and stats.log[:at] == plain.log[:at] and stats.margin_rows == plain.margin_rows
+        )
+        rest = stands and round_bytes == 12000.0
+        if rest:  # the first band's rows beyond the 10 that came, in a gather of their own
+            assert stats.log[at + 1][0] == "gather" and stats.log[at + 1][1] < plain.log[at + 1][1]
+        assert stats.log[at + 1 + rest :] == plain.log[at + 1 + stands :], (stats.log, plain.log)
+        assert stats.rounds == plain.rounds - stands + rest
 
 
 def test_rows_sent_ahead_cost_at_most_their_share_of_a_round():
@@ -1008,13 +1051,22 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     # with a round priced, each check's counts and first rows in one gather of fixed size (at
     # 2000 bytes a few rows a rank, the rest in a second gather of uneven sizes): the same
     # collectives, prices and assignment as the simulation, and the same assignment as above
-    for round_bytes in (1e9, 2000.0):
-        opts = dict(prices=far, max_price_iters=0, round_bytes=round_bytes)
+    # (and with 2 updates, the margin's first counts with its first rows: its band stands)
+    for iters, round_bytes in ((0, 1e9), (0, 2000.0), (2, 1e9)):
+        opts = dict(prices=far, max_price_iters=iters, round_bytes=round_bytes)
         (got_r,), p_r, stats_r = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group), **opts)
         sim, p_sim, sim_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world), **opts)
         ahead = [kind for kind, _, _ in stats_r.log[stats_r.check_from :]]
-        assert stats_r.log == sim_stats.log and stats_r.checks >= 2 and set(ahead) == {"gather"}, stats_r.log
-        assert (len(ahead) > stats_r.checks) == (round_bytes == 2000.0), ahead  # the rest gathered apart
+        assert stats_r.log == sim_stats.log and set(ahead) == {"gather"}, stats_r.log
+        if iters == 0:
+            assert stats_r.checks >= 2 and (len(ahead) > stats_r.checks) == (round_bytes == 2000.0), ahead
+        else:  # the margin's first counts came with rows: one sum of them fewer than by bytes alone
+            plain = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world), prices=far, max_price_iters=2)[2]
+            margin_sums = [
+                sum(entry[:2] == ("sum", 24 + world + price_prices.GAP_BINS + 1) for entry in st.log)
+                for st in (plain, stats_r)
+            ]
+            assert margin_sums[1] == margin_sums[0] - 1, (plain.log, stats_r.log)
         assert torch.equal(p_r, p_sim) and torch.equal(got_r, sim[me]), me
         assert torch.equal(same_order(got_r), same_order(got)), me
     # the pair rounds after one update from the previous scores' prices (the local start off:

@@ -144,12 +144,13 @@ def test_a_round_priced_in_bytes_keeps_the_pair_rounds_off_a_small_group():
     assert share_free > 0.03 > share_priced, shares
 
 
-def test_a_priced_round_sends_the_certificates_rows_with_its_counts():
-    """With ``base_round_bytes`` set, the model counts the certificate as the solver runs it
-    (`price_certificate.ahead_rows`): at llama2-moe-1.2t (ep = 8, E = 24, K = 2) a rank's rows
-    fit what a check sends ahead, so the certificate takes 2 rounds, not 3, for its padding's
-    bytes; at the deepseek-v3-like layout (ep = 64, K = 8) stalled with a margin of 15% they do
-    not fit, and it takes 3 rounds and pays the padding. Bytes alone: 3 rounds, 2 sums."""
+def test_a_priced_round_sends_rows_with_their_counts():
+    """With ``base_round_bytes`` set, the model counts the margin and the certificate as the
+    solver runs them (`price_rows.ahead_rows`): at llama2-moe-1.2t (ep = 8, E = 24, K = 2) a
+    rank's rows fit what the margin's first counts and a check send ahead, so the margin takes
+    1 round, not 2, and the certificate 2, not 3, for their padding's bytes; at the
+    deepseek-v3-like layout (ep = 64, K = 8) stalled with a margin of 15% they do not fit, and
+    they take 2 and 3 rounds and pay the padding. Bytes alone: the counts' sums and the rows."""
     for case, fits in ((LARGE, True), (DEEPSEEK, False)):
         name, gpu, lay, seqs = case
         cfg = _base(name)
@@ -159,20 +160,30 @@ def test_a_priced_round_sends_the_certificates_rows_with_its_counts():
             mock.patch.object(base_time, "margin_share", lambda e: 0.15),
         ):
             free, paid = base_time.certificate(cfg, lay, 4096), base_time.certificate(priced, lay, 4096)
+            m_free, m_paid = base_time.margin(cfg, lay, 4096), base_time.margin(priced, lay, 4096)
             W, E, K = lay.ep, cfg.moe.num_experts, cfg.moe.top_k
-            row = price_rows.RowLayout.of(W * 4096, E, K, torch.float32).width(min(E, K + price_rows.SENT))
+            layout = price_rows.RowLayout.of(W * 4096, E, K, torch.float32)
+            row, m_row = layout.width(min(E, K + price_rows.SENT)), layout.width(min(E, K + price_rows.SENT), False)
             ahead = price_rows.ahead_rows(1.25e6, W, row, 8)
-            first = 1.25 * max(0.15 * W * 4096, 2 * E) / W
+            m_head = 4 * (E + price_prices.GAP_BINS + 2)
+            m_ahead = price_rows.ahead_rows(1.25e6, W, m_row, m_head)
+            rows = max(0.15 * W * 4096, 2 * E)  # a share of 15% over the capped eighth (no pair rounds)
             base = [base_time.global_base_s(c, lay, 4096, 1e12, 1e15) for c in (cfg, priced)]
             pairs = PAIR_TRY_ROUNDS * (base_time.pair_rounds(priced, lay, 4096) - base_time.pair_rounds(cfg, lay, 4096))
+        first = 1.25 * rows / W  # the certificate's first check, a rank's rows
         assert free == (3, 2 * 2 * (W - 1) / W * 2 * W * 8)
         assert paid[0] == (2 if fits else 3) and (first <= ahead) == fits, (name, ahead, first)
         assert paid[1] == W * row * (min(ahead, 4096) + 1 + min(ahead, first) + 1)
         assert paid[1] <= 2 * price_rows.AHEAD_SHARE * 1.25e6  # two checks, each within its share
+        assert m_free[0] == 2 and m_paid[0] == (1 if fits else 2) and (rows / W <= m_ahead) == fits, (name, m_ahead)
+        sent = W * (-(-m_head // m_row) + m_ahead) * m_row
+        assert sent <= price_rows.AHEAD_SHARE * 1.25e6 and m_paid[1] == sent + (
+            0 if fits else (rows - W * m_ahead) * m_row
+        )
         # at a fast link the rounds' latency is what differs (at llama2-moe-1.2t the price keeps
         # the pair rounds off too)
         assert pairs == (-PAIR_TRY_ROUNDS if fits else 0)
-        rounds = paid[0] - free[0] + pairs
+        rounds = paid[0] - free[0] + m_paid[0] - m_free[0] + pairs
         assert base[1] - base[0] == pytest.approx(rounds * base_time.ROUND_LATENCY_S, abs=1e-6), name
 
 
