@@ -17,8 +17,8 @@ Where a round has a price (``round_bytes``, `price_rows.ahead_rows`), a check se
 counts and its first rows in one gather of fixed size instead of the sum and then the gather: a
 check that finds tokens to send then costs one round, not two, where every rank's fit (a second
 gather brings the rest where they do not), for bytes that cost at most `price_rows.AHEAD_SHARE` of a round. Each
-check sends no more rows ahead than a rank sent in the one before (the first, than a rank has
-tokens).
+check sends no more rows ahead than a rank sent in the one before (the first, than twice the
+most margin rows a rank sent, `AHEAD_FIRST`).
 
 The loop is bounded: each round adds a row or a column a row did not carry (one of its K + 3
 best under the new prices beats what it holds, and the carried ones passed); after
@@ -38,6 +38,11 @@ __all__ = ["LAST_CHECK", "certify"]
 
 LAST_CHECK = 63  # certificate rounds before every row travels with every column (the whole problem)
 ROW_BLOCK = 1 << 15  # gathered rows updated at a time by a certificate round
+# the first check's rows a rank sends ahead, at most, in its margin rows (the most a rank sent): on
+# trained routers' replayed scores the first check's rows were 0.06-1.24 times a rank's margin rows,
+# on random scores a few where a rank sent tens (docs/benchmarks.md, "A priced round sends the rows
+# with their counts")
+AHEAD_FIRST = 2
 
 
 def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats, round_bytes: float = 0.0):
@@ -66,7 +71,9 @@ def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats, ro
     fixed = [(~nr) for nr in mg.near]
     outs = [out.clone() for out, _ in mg.picks]
     applied, ok = 0, False
-    most = max(sizes)  # the most rows a rank sent in the last check (or has): the next sends no more ahead
+    # the most rows a rank sent in the last check: the next sends no more ahead; the first, no more than
+    # `AHEAD_FIRST` times the most margin rows a rank sent (nor than a rank has tokens)
+    most = min(max(sizes), AHEAD_FIRST * max(mg.sizes))
     graph, cancelled, start, slots = mg.graph, mg.cancelled, None, None  # the first round: step 3's cycles
     mg.graph = None  # held here alone, so that each round's graph goes once its cycles ran
     for check in range(LAST_CHECK + 2):  # each round adds a row or a column; at LAST_CHECK, every row whole

@@ -139,6 +139,7 @@ class Margin:
     extra: object  # the movable extra slots (extras="best"), or None
     lay: RowLayout
     cols: int  # the columns a row carries
+    sizes: list  # the rows each rank sent, every rank's
 
 
 def gather_margin(
@@ -238,14 +239,14 @@ def gather_margin(
         cancelled = graph.cancel(budget, p.cpu().numpy().astype(s_res.numpy().dtype))
         short = None if last else _unsent_columns(s_res, torch.from_numpy(graph.out))
         if short is None:
-            return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+            return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols, had_sizes)
         if short.numel() == 0:
             # every expert filled; where the cycles priced some far above the others, the fixed
             # tokens holding them near their margin would fail: those bands alone grow while
             # that sends fewer (docs/benchmarks.md, "An expert the cycles price out")
             risen = _risen(cancelled[2], p, band)
             if risen.numel() == 0:
-                return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+                return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols, had_sizes)
             grown = band.clone()
             grown[risen] *= STEP
             q = torch.from_numpy(cancelled[2]).to(dtype)
@@ -254,7 +255,7 @@ def gather_margin(
             )
             adds = int(next_counts[0][1][num_experts : num_experts + world].sum()) - sum(had_sizes)
             if fails <= adds or adds == 0:  # the certificate takes them (a growth that adds none ends it)
-                return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+                return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols, had_sizes)
             band, agreed = grown, next_counts[0]
             continue
         # the tokens nearest to taking the experts short of rows, or every band GROW x (weighed
@@ -268,7 +269,7 @@ def gather_margin(
             s_parts, p1, picks, by_gap, near, band, pull, pulled, q, red, delta, ways
         )
         if fails <= band_adds:  # the certificate takes them (as it would beside a pull that grows on)
-            return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols)
+            return Margin(picks, near, mine, s_res, graph, cancelled, extra, lay, cols, had_sizes)
         pulls = world > 1 and 0 < PULL_SHARE * pull_adds <= band_adds and bool((pulled <= 4.0).all())
         way = 0 if world == 1 or pulls else 1
         band, pull = ways[way]

@@ -45,6 +45,7 @@ import torch
 
 from ..models.llama import LlamaConfig
 from ..parallel.price_base import CAPPED_SHARE
+from ..parallel.price_certificate import AHEAD_FIRST
 from ..parallel.price_prices import GAP_BINS, PAIR_ROUNDS, PAIR_TRY_ROUNDS, chain_values, pair_bytes, pair_rounds_pay
 from ..parallel.price_rows import SENT, RowLayout, ahead_rows, margin_row_bytes
 from ..routing.balanced.exact import MAX_ITERS
@@ -137,7 +138,8 @@ def certificate(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]
     and first rows in one gather of fixed size (`price_rows.ahead_rows`): 2 rounds where
     a rank's rows fit, taken as 1.25 times its margin rows (0.06-1.24 times measured in the
     first check of the replayed training scores at W = 8), with the first check's padding up
-    to the rows it allows (at most a rank's tokens) and the second's up to the first's rows."""
+    to the rows it allows (at most `AHEAD_FIRST` times a rank's margin rows, and its tokens)
+    and the second's up to the first's rows."""
     W, E, K = lay.ep, cfg.moe.num_experts, cfg.moe.top_k
     price = cfg.moe.router_config().base_round_bytes
     reduce = 2 * (W - 1) / W
@@ -146,8 +148,8 @@ def certificate(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]
     if not ahead:
         return 3, 2 * reduce * 2 * W * 8
     first = 1.25 * _margin_rows(cfg, lay, tokens) / W
-    sent = min(ahead, tokens)
-    return (2 if first <= ahead else 3), W * row * (sent + 1 + min(sent, first) + 1)
+    sent = min(ahead, tokens, AHEAD_FIRST * _margin_rows(cfg, lay, tokens) / W)
+    return (2 if first <= sent else 3), W * row * (sent + 1 + min(sent, first) + 1)
 
 
 def local_start_bytes(W: int, E: int) -> float:
