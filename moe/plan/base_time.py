@@ -5,7 +5,7 @@ collective's latency, plus the bytes each rank receives over the ep group's band
 Legend: W ep ranks, T tokens per rank, E experts, K experts per token.
 
 What a solve sends (docs/benchmarks.md, "Global BASE by prices", measured on simulated ranks):
-a header (one max of 8 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E + 33
+a header (one max of 12 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E + 33
 int32 each: the histograms and the tokens by margin), the margin's counts (E + W + 33 int64;
 where the updates stopped, their tokens by margin already widened its band to the rows it
 needs, without a sum of its own) and rows (every rank receives all of them: a share
@@ -164,7 +164,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     """Bytes one rank receives in one solve of one layer."""
     W, E = lay.ep, cfg.moe.num_experts
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
-    header = reduce * (8 + 3 * W) * 8
+    header = reduce * (12 + 3 * W) * 8
     prices = PRICE_UPDATES * reduce * chain_values(E) * 4
     pairs = pair_rounds(cfg, lay, tokens)
     pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)

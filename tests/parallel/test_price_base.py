@@ -1105,6 +1105,13 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
         bad[0, 0] = float("inf")
     with pytest.raises(ValueError, match="finite"):
         prices(bad, 1)
+    # options that decide which collectives run, differing on one rank: every rank raises (the
+    # header agrees on them), where the ranks would have run different collectives
+    good = make_scores(seed, 10, 8, "gauss")
+    with pytest.raises(ValueError, match=r"same on every rank.*round_bytes from 0 to 1e\+06"):
+        price_balanced_assignment([good], 1, GroupReduce(group), round_bytes=1e6 if me == 0 else 0.0)
+    with pytest.raises(ValueError, match="the others differ"):
+        price_balanced_assignment([good], 1, GroupReduce(group), local_start=me != world - 1)
     got = prices(make_scores(seed, 10, 8, "gauss"), 1)  # the group goes on working
     assert got.shape == (10, 1)
 
