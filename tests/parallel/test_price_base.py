@@ -977,6 +977,41 @@ def test_a_priced_round_sends_the_margins_first_rows_with_its_counts(iters):
         assert stats.rounds == plain.rounds - stands + rest
 
 
+def test_a_band_that_surely_holds_more_rows_than_come_ahead_sums_its_counts():
+    """The stalled solve above: its updates' counts of tokens by margin say how many tokens the
+    first band surely holds (`MarginStart.surely`). Where that is more than every rank can send
+    ahead of its counts (10 rows of 20 bytes a rank at 12,800 bytes a round, after 10 rows of
+    counts), a rank surely has more than come: the margin's counts go in their sum and its rows
+    in one gather, as by bytes alone, with no padding. Where they all fit, the counts come with
+    the rows, one round fewer. The same margin, assignment and prices either way."""
+    sizes = [200 + 11 * i for i in range(8)]
+    x = make_scores(7, sum(sizes), 16, "gauss", torch.float32)
+    x[::16] = x[0]
+    _, prices, _ = solve_simulated(x, sizes, 1, "best", local_start=False)
+    starts = []
+    real = price_margin.MarginStart.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        starts.append(self.surely)
+
+    runs = {}
+    with mock.patch.object(price_margin.MarginStart, "__init__", spy):
+        for round_bytes in (0.0, 12800.0, 1e9):
+            runs[round_bytes] = solve_simulated(x, sizes, 1, "best", prices, local_start=False, round_bytes=round_bytes)
+    (out0, p0, plain), (out1, p1, few), (out2, p2, many) = runs.values()
+    assert 8 * 10 < starts[0] <= plain.margin_rows and starts[0] == starts[1] == starts[2]
+    assert price_rows.ahead_rows(12800.0, 8, 20, 4 * (16 + 34)) == 10
+    assert torch.equal(out0, out1) and torch.equal(out0, out2) and torch.equal(p0, p1) and torch.equal(p0, p2)
+    assert plain.margin_rows == few.margin_rows == many.margin_rows
+    assert few.log[: few.check_from] == plain.log[: plain.check_from]  # no rows ahead: the sum, then the rows
+    margin = plain.log[plain.check_from - 2 : plain.check_from]
+    assert [kind for kind, _, _ in margin] == ["sum", "gather"], margin
+    assert (
+        many.check_from == plain.check_from - 1 and many.log[: many.check_from - 1] == plain.log[: plain.check_from - 2]
+    )
+
+
 def test_rows_sent_ahead_cost_at_most_their_share_of_a_round():
     """`ahead_rows`: the most rows a rank can send ahead, after its counts in whole rows, whose
     bytes, received from every rank, cost at most `AHEAD_SHARE` of a round; none without a
