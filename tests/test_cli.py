@@ -88,6 +88,8 @@ BAD = [
     (["train", "--capacity-factor", "-1"], "--capacity-factor must be a finite number > 0"),
     (["train", "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["train", "--aux-loss-coef", "nan"], "--aux-loss-coef must be a finite number >= 0, got nan"),
+    (["train", "--router", "base", "--base-round-bytes", "-1"], "--base-round-bytes must be a finite number >= 0"),
+    (["train", "--router", "topk", "--base-round-bytes", "1e6"], "it needs --router base, not topk"),
     (["train", "--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
     (["train", "--grad-clip", "inf"], "--grad-clip must be a finite number > 0, got inf"),
     (["train", "--nproc", "3", "--tp", "3"], "--tp 3 must divide the attention heads (n_heads=8, n_kv_heads=4"),

@@ -72,6 +72,8 @@ def _check_train(args, p) -> None:
         raise UsageError(
             f"--router-groups / --topk-groups limit top-k routing: they need --router topk, not {args.router}"
         )
+    if args.base_round_bytes is not None and args.router != "base":
+        raise UsageError(f"--base-round-bytes prices global BASE's rounds: it needs --router base, not {args.router}")
     if args.ep_chunks > 1 and args.ep == 1:
         raise UsageError(f"--ep-chunks {args.ep_chunks} chunks the expert-parallel exchange: it needs --ep > 1")
     if args.ranks_per_node is not None and args.ep % args.ranks_per_node:
@@ -178,6 +180,7 @@ _NUMBERS = (
     ("aux_loss_coef", True, lambda v: v >= 0, ">= 0"),
     ("z_loss_coef", True, lambda v: v >= 0, ">= 0"),
     ("bias_update_rate", True, lambda v: v >= 0, ">= 0"),
+    ("base_round_bytes", True, lambda v: v >= 0, ">= 0"),
     ("capacity_factor", True, lambda v: v > 0, "> 0 (or left out: dropless)"),
 )
 

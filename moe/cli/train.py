@@ -42,6 +42,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--aux-loss-coef", type=float, default=None, help="load-balancing loss weight (preset's)")
     m.add_argument("--z-loss-coef", type=float, default=None, help="router z-loss weight (preset's)")
     m.add_argument("--bias-update-rate", type=float, default=None, help="top-k aux-loss-free bias step (0: off)")
+    m.add_argument("--base-round-bytes", type=float, default=None,
+                   help="BASE balanced over the ep group: a round of its collectives priced in the bytes "
+                   "the link moves in its latency (`moe plan` states it), to trade bytes for rounds "
+                   "(0: bytes alone)")  # fmt: skip
     m.add_argument("--router-groups", type=_positive("--router-groups"), default=None,
                    help="group-limited top-k: the experts in G contiguous groups (preset's); G = --ep / "
                    "--ranks-per-node puts one group on each node of the ep group")  # fmt: skip

@@ -50,6 +50,7 @@ class TrainConfig:
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
     bias_update_rate: float | None = None  # top-k's aux-loss-free balancing bias step
+    base_round_bytes: float | None = None  # global BASE: a round of its collectives in bytes (`moe plan` states it)
     router_groups: int | None = None  # group-limited top-k: the experts in this many contiguous groups
     topk_groups: int | None = None  # ... each token using its best this many (a node limit when groups = nodes)
     capacity_factor: float | None = None
@@ -166,7 +167,12 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
 
 def _router_options(cfg: TrainConfig) -> dict:
     """The router options the command line sets (the others stay the preset's)."""
-    names = (("bias_update_rate", "bias_update_rate"), ("router_groups", "n_groups"), ("topk_groups", "topk_groups"))
+    names = (
+        ("bias_update_rate", "bias_update_rate"),
+        ("router_groups", "n_groups"),
+        ("topk_groups", "topk_groups"),
+        ("base_round_bytes", "base_round_bytes"),
+    )
     return {option: getattr(cfg, field) for field, option in names if getattr(cfg, field) is not None}
 
 

@@ -31,7 +31,7 @@ _FLAGS = {
     "top_k": "--top-k", "num_experts": "--experts", "dim": "--dim", "n_layers": "--n-layers",
     "moe_every": "--moe-every", "aux_loss_coef": "--aux-loss-coef", "z_loss_coef": "--z-loss-coef",
     "capacity_factor": "--capacity-factor", "bias_update_rate": "--bias-update-rate", "router": "--router",
-    "n_groups": "--router-groups", "topk_groups": "--topk-groups",
+    "n_groups": "--router-groups", "topk_groups": "--topk-groups", "base_round_bytes": "--base-round-bytes",
 }  # fmt: skip
 
 

@@ -120,3 +120,11 @@ def test_bad_config_files_exit_2_naming_the_key_and_file(text, message, tmp_path
     assert len(err.strip().splitlines()) == 1 and f"--config {path}" in err and message in err, err
     with pytest.raises(UsageError):
         _config_args(path, [])
+
+
+def test_the_round_price_reaches_the_routers_global_base():
+    """`--base-round-bytes` (what `moe plan` states a round of global BASE costs) is the BASE
+    router's ``base_round_bytes``, which `GroupBalance` hands the solver; unset, the preset's."""
+    priced = model_config(TrainConfig(router="base", base_round_bytes=2.25e6), 256)
+    assert priced.moe.router_config().base_round_bytes == 2.25e6
+    assert model_config(TrainConfig(router="base"), 256).moe.router_config().base_round_bytes == 0.0
