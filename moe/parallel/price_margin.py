@@ -102,9 +102,10 @@ class MarginStart:
     enough and stays (the same band as without ``gaps``: starting at the edge there cost a
     replayed call 3% more rows and spared no round, docs/benchmarks.md, "The margin's counts
     on the rounds before it"). ``summed``: the counts' sum, where it rode on an earlier
-    collective (`price_prices.pair_prices`), else None. ``surely``: the group's tokens the
-    first band surely holds, by ``gaps`` (0 without): more than every rank can send ahead of its
-    counts, and a rank surely has more (`gather_margin`)."""
+    collective (`price_prices.pair_prices`), else None. ``surely`` and ``at_most``: the group's
+    tokens the first band surely holds and at most holds, by ``gaps`` (0 and None without): a
+    rank sends no more rows ahead of its counts than the group can have, and none where the
+    group surely has more than every rank can send (`gather_margin`)."""
 
     def __init__(self, s_parts, p, width: float, k: int, red, gaps: Tensor | None = None, min_rows: int = 0):
         num_experts = s_parts[0].shape[0]
@@ -118,8 +119,11 @@ class MarginStart:
             above = int((edges < b).sum())  # the first edge at or above the band bounds its rows
             if above < GAP_BINS and int(below[above]) < min_rows:
                 b = max(b, float(edges[min(int((below < min_rows).sum()), GAP_BINS - 1)]))
-        # the group's tokens surely in the first band (below an edge at or under it), where counted
-        self.surely = int(gaps[: int((gap_edges() <= b).sum())].sum()) if gaps is not None else 0
+        # the group's tokens surely in the first band (below an edge at or under it) and at most
+        # in it (below the first edge above it), where counted; else 0 and every token
+        within = int((gap_edges() <= b).sum())
+        self.surely = int(gaps[:within].sum()) if gaps is not None else 0
+        self.at_most = int(gaps[: within + 1].sum()) if gaps is not None else None
         self.band = torch.full((num_experts,), b, dtype=torch.float64)  # per expert held
         self.pull = torch.zeros(num_experts, dtype=torch.float64)  # per expert short of rows
         self.by_gap = [gap_counts(m) for _, m in self.picks]
@@ -178,6 +182,8 @@ def gather_margin(
     else:
         head = 4 * (num_experts + GAP_BINS + 2)  # a rank's own counts as int32
         ahead = min(ahead_rows(round_bytes, world, lay.width(cols, keyed=False), head), max(sizes))
+        if first.at_most is not None:  # no rank has more than the group
+            ahead = min(ahead, first.at_most)
         if first.surely > world * ahead:  # a rank surely has more: the sum and one gather, no padding
             ahead = 0
         if ahead:

@@ -117,7 +117,9 @@ def margin(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]:
     their own or on the pair rounds' check) and its rows, 2 rounds. With a round priced
     (``base_round_bytes``) and no pair rounds, each rank's own counts (E + 34 int32) travel with
     its first rows in one gather of fixed size (`price_rows.ahead_rows`): 1 round where a
-    rank's rows fit, padded to the rows it allows (at most a rank's tokens); where the group's
+    rank's rows fit, padded to the rows it allows (at most a rank's tokens, and twice the
+    group's margin rows: the updates' counts bound the band's tokens by the next bin's edge,
+    `MarginStart.at_most`); where the group's
     rows are more than every rank can send ahead (the updates' counts of tokens by margin tell
     the solver so, `MarginStart.surely`), the sum and the gather."""
     W, E = lay.ep, cfg.moe.num_experts
@@ -125,7 +127,8 @@ def margin(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]:
     rows, row = _margin_rows(cfg, lay, tokens), _row(cfg, lay, tokens)
     price = cfg.moe.router_config().base_round_bytes
     head = 4 * (E + GAP_BINS + 2)
-    ahead = 0 if pair_rounds(cfg, lay, tokens) else min(ahead_rows(price, W, row, head), tokens)
+    # no more than a rank's tokens, nor than the band holds at most (its bin's edge: taken as twice its rows)
+    ahead = 0 if pair_rounds(cfg, lay, tokens) else min(ahead_rows(price, W, row, head), tokens, int(2 * rows))
     if rows > W * ahead:  # none ahead, or the band surely holds more (the updates' counts say so)
         return 2, reduce * (E + W + GAP_BINS + 1) * 8 + rows * row
     return 1, W * (-(-head // row) + ahead) * row

@@ -979,11 +979,13 @@ def test_a_priced_round_sends_the_margins_first_rows_with_its_counts(iters):
 
 def test_a_band_that_surely_holds_more_rows_than_come_ahead_sums_its_counts():
     """The stalled solve above: its updates' counts of tokens by margin say how many tokens the
-    first band surely holds (`MarginStart.surely`). Where that is more than every rank can send
-    ahead of its counts (10 rows of 20 bytes a rank at 12,800 bytes a round, after 10 rows of
-    counts), a rank surely has more than come: the margin's counts go in their sum and its rows
-    in one gather, as by bytes alone, with no padding. Where they all fit, the counts come with
-    the rows, one round fewer. The same margin, assignment and prices either way."""
+    first band surely holds and at most holds (`MarginStart.surely`, ``at_most``). Where it
+    surely holds more than every rank can send ahead of its counts (10 rows of 20 bytes a rank
+    at 12,800 bytes a round, after 10 rows of counts), a rank surely has more than come: the
+    margin's counts go in their sum and its rows in one gather, as by bytes alone, with no
+    padding. Where they all fit, the counts come with the rows, one round fewer. The same
+    margin, assignment and prices either way. On converged random scores a rank sends no more
+    rows ahead than the band holds at most, not as many as it has tokens."""
     sizes = [200 + 11 * i for i in range(8)]
     x = make_scores(7, sum(sizes), 16, "gauss", torch.float32)
     x[::16] = x[0]
@@ -993,14 +995,15 @@ def test_a_band_that_surely_holds_more_rows_than_come_ahead_sums_its_counts():
 
     def spy(self, *a, **kw):
         real(self, *a, **kw)
-        starts.append(self.surely)
+        starts.append((self.surely, self.at_most))
 
     runs = {}
     with mock.patch.object(price_margin.MarginStart, "__init__", spy):
         for round_bytes in (0.0, 12800.0, 1e9):
             runs[round_bytes] = solve_simulated(x, sizes, 1, "best", prices, local_start=False, round_bytes=round_bytes)
     (out0, p0, plain), (out1, p1, few), (out2, p2, many) = runs.values()
-    assert 8 * 10 < starts[0] <= plain.margin_rows and starts[0] == starts[1] == starts[2]
+    rows = plain.log[plain.check_from - 1][1] // 20  # the first band's, in one gather
+    assert 8 * 10 < starts[0][0] <= rows <= starts[0][1] and starts[0] == starts[1] == starts[2]
     assert price_rows.ahead_rows(12800.0, 8, 20, 4 * (16 + 34)) == 10
     assert torch.equal(out0, out1) and torch.equal(out0, out2) and torch.equal(p0, p1) and torch.equal(p0, p2)
     assert plain.margin_rows == few.margin_rows == many.margin_rows
@@ -1010,6 +1013,16 @@ def test_a_band_that_surely_holds_more_rows_than_come_ahead_sums_its_counts():
     assert (
         many.check_from == plain.check_from - 1 and many.log[: many.check_from - 1] == plain.log[: plain.check_from - 2]
     )
+    # converged random scores: the band holds at most a few tokens a rank, and no more come
+    x = make_scores(3, 8 * 300, 16, "gauss", torch.float32)
+    _, prices, _ = solve_simulated(x, [300] * 8, 1, "best")
+    with mock.patch.object(price_margin.MarginStart, "__init__", spy):
+        out, p, plain = solve_simulated(x, [300] * 8, 1, "best", prices)
+        out1, p1, many = solve_simulated(x, [300] * 8, 1, "best", prices, round_bytes=1e9)
+    surely, at_most = starts[-1]
+    assert surely <= plain.log[plain.check_from - 1][1] // 20 <= at_most < 300
+    assert many.log[many.check_from - 1] == ("gather", 8 * (10 + at_most) * 20, 8 * (10 + at_most) * 20)
+    assert torch.equal(out, out1) and torch.equal(p, p1)
 
 
 def test_rows_sent_ahead_cost_at_most_their_share_of_a_round():

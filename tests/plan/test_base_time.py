@@ -186,6 +186,12 @@ def test_a_priced_round_sends_rows_with_their_counts():
         assert pairs == (-PAIR_TRY_ROUNDS if fits else 0)
         rounds = paid[0] - free[0] + m_paid[0] - m_free[0] + pairs
         assert base[1] - base[0] == pytest.approx(rounds * base_time.ROUND_LATENCY_S, abs=1e-6), name
+        # separated scores (the default model): a thin margin, no more rows ahead than twice its rows
+        thin = max(base_time.margin_share(E) * W * 4096, 2 * E)
+        assert base_time.margin(priced, lay, 4096) == (
+            1,
+            W * (-(-m_head // m_row) + min(m_ahead, int(2 * thin))) * m_row,
+        )
 
 
 def test_the_plan_states_the_price_of_a_round_on_the_ep_groups_link():
