@@ -9,10 +9,11 @@ The problem is the one `moe.routing.balanced.balanced_assignment` solves on the 
 the same jitter at the same global token index), the same capacities and ``extras`` rule, the
 same exchange cycles and certificate. Each rank keeps its rows; per call they agree on:
 
-1. a header (one max of 12 + 3W values): shapes, dtypes, the options that decide which
+1. a header (one max of 16 + 3W values): shapes, dtypes, the options that decide which
    collectives run (``round_bytes``, ``prices`` given or not, ``local_start``,
-   ``max_price_iters``), which ranks' scores are invalid or not finite, the token counts, the
-   scale. A bad input or differing options on one rank raise on every rank;
+   ``max_price_iters``, ``extras``, ``eps``, ``max_cycles``), which ranks' scores are invalid
+   or not finite, the token counts, the scale. A bad input or differing options on one rank
+   raise on every rank;
 2. the prices: from a previous call's, or, without them, from a local start: every rank solves
    its own tokens alone (no collective) and one gather of W x E float32 gives every rank the
    per-expert median of those prices (a rank's tokens are a sample of the group's; the median
@@ -104,12 +105,12 @@ class PriceStats:
 
 
 def _header(
-    parts_TE: list[Tensor], k: int, red: Reduction, settings: tuple[float, float] = (0.0, 0.0)
+    parts_TE: list[Tensor], k: int, red: Reduction, settings: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
 ) -> tuple[list[int], float, float, torch.dtype]:
     """Agree on the shapes, dtypes, validity, token counts and scale: (sizes, big, half, dtype).
-    ``settings``: (``round_bytes``, the other options that decide which collectives run, as one
-    number), which every rank must share."""
-    world, n_fixed = red.world, 12
+    ``settings``: (``round_bytes``, the flags and update cap as one number, ``eps``,
+    ``max_cycles``), the options that decide which collectives run, which every rank must share."""
+    world, n_fixed = red.world, 8 + 2 * len(settings)
     rows, errors = [], {}
     for rank, scores in zip(red.ranks, parts_TE, strict=True):
         h = torch.zeros(n_fixed + 3 * world, dtype=torch.float64)
@@ -123,7 +124,7 @@ def _header(
         dtype = torch.promote_types(scores.dtype, torch.float32)
         num_tokens, num_experts = scores.shape
         h[:6] = torch.tensor([num_experts, -num_experts, k, -k, _DTYPES[dtype], -_DTYPES[dtype]], dtype=torch.float64)
-        h[8:12] = torch.tensor([settings[0], -settings[0], settings[1], -settings[1]], dtype=torch.float64)
+        h[8:n_fixed] = torch.tensor([v for s in settings for v in (s, -s)], dtype=torch.float64)
         if num_tokens:
             lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)
             big, half = torch.stack([torch.maximum(hi.abs(), lo.abs()).amax(), (hi * 0.5 - lo * 0.5).amax()]).tolist()
@@ -145,11 +146,12 @@ def _header(
             f"the scores must have the same E, k and dtype on every rank of the group: E from {int(-out[1])} "
             f"to {int(out[0])}, k from {int(-out[3])} to {int(out[2])}"
         )
-    if out[8] != -out[9] or out[10] != -out[11]:
+    if any(out[i] != -out[i + 1] for i in range(8, n_fixed, 2)):
+        others = any(out[i] != -out[i + 1] for i in range(10, n_fixed, 2))
         raise ValueError(
-            "price_balanced_assignment: round_bytes, prices (given or not), local_start and max_price_iters must be "
-            f"the same on every rank of the group (they decide which collectives run): round_bytes from "
-            f"{float(-out[9]):g} to {float(out[8]):g}{'' if out[10] == -out[11] else ', and the others differ'}"
+            "price_balanced_assignment: round_bytes, prices (given or not), local_start, max_price_iters, extras, "
+            "eps and max_cycles must be the same on every rank of the group (they decide which collectives run): "
+            f"round_bytes from {float(-out[9]):g} to {float(out[8]):g}{', and the others differ' if others else ''}"
         )
     if nonfinite.any():
         raise ValueError(f"scores must be finite: found NaN or Inf on ranks {nonfinite.nonzero().flatten().tolist()}")
@@ -236,11 +238,15 @@ def price_balanced_assignment(
     """
     _check_extras(extras)
     check_float("round_bytes", round_bytes, 0)
+    for name, value in (("max_price_iters", max_price_iters), ("max_cycles", max_cycles)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"price_balanced_assignment: {name} must be None or an int >= 0, got {value!r}")
     stats = PriceStats()
     rounds0, values0, bytes0 = red.rounds, red.values, red.bytes
-    iters = -1 if max_price_iters is None else max_price_iters  # the options as one number, each its own digits
-    options = int(local_start) + 2 * (prices is not None) + 4 * iters
-    sizes, big, half, dtype = _header(parts_TE, k, red, (round_bytes, options))
+    iters = -1 if max_price_iters is None else max_price_iters  # the options as numbers, each flag its own digit
+    options = int(local_start) + 2 * (prices is not None) + 4 * (extras == "lowest") + 8 * (iters + 1)
+    cycles = -1 if max_cycles is None else max_cycles
+    sizes, big, half, dtype = _header(parts_TE, k, red, (round_bytes, options, eps, cycles))
     total = sum(sizes)
     num_experts = parts_TE[0].shape[1]
     device = parts_TE[0].device

@@ -5,7 +5,7 @@ collective's latency, plus the bytes each rank receives over the ep group's band
 Legend: W ep ranks, T tokens per rank, E experts, K experts per token.
 
 What a solve sends (docs/benchmarks.md, "Global BASE by prices", measured on simulated ranks):
-a header (one max of 12 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E + 33
+a header (one max of 16 + 3W float64), `PRICE_UPDATES` price updates (one sum of 18 E + 33
 int32 each: the histograms and the tokens by margin), the margin's counts (E + W + 33 int64;
 where the updates stopped, their tokens by margin already widened its band to the rows it
 needs, without a sum of its own) and rows (every rank receives all of them: a share
@@ -142,7 +142,8 @@ def certificate(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]
     a rank's rows fit, taken as 1.25 times its margin rows (0.06-1.24 times measured in the
     first check of the replayed training scores at W = 8), with the first check's padding up
     to the rows it allows (at most `AHEAD_FIRST` times a rank's margin rows, and its tokens)
-    and the second's up to the first's rows."""
+    and the second's up to the first's rows; the rows themselves are not counted in either
+    mode."""
     W, E, K = lay.ep, cfg.moe.num_experts, cfg.moe.top_k
     price = cfg.moe.router_config().base_round_bytes
     reduce = 2 * (W - 1) / W
@@ -152,7 +153,9 @@ def certificate(cfg: LlamaConfig, lay: Layout, tokens: int) -> tuple[int, float]
         return 3, 2 * reduce * 2 * W * 8
     first = 1.25 * _margin_rows(cfg, lay, tokens) / W
     sent = min(ahead, tokens, AHEAD_FIRST * _margin_rows(cfg, lay, tokens) / W)
-    return (2 if first <= sent else 3), W * row * (sent + 1 + min(sent, first) + 1)
+    # the first check's rows themselves are left out, as by bytes alone (where they do not all come
+    # ahead, the rest travel in a gather of their own, its round counted)
+    return (2 if first <= sent else 3), W * row * (sent + 1 + min(ahead, first) + 1)
 
 
 def local_start_bytes(W: int, E: int) -> float:
@@ -167,7 +170,7 @@ def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     """Bytes one rank receives in one solve of one layer."""
     W, E = lay.ep, cfg.moe.num_experts
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
-    header = reduce * (12 + 3 * W) * 8
+    header = reduce * (16 + 3 * W) * 8
     prices = PRICE_UPDATES * reduce * chain_values(E) * 4
     pairs = pair_rounds(cfg, lay, tokens)
     pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)

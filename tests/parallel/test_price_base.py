@@ -76,8 +76,13 @@ def test_simulated_ranks_solve_the_stacked_problem(sizes, e, k, kind, extras, se
     if prices is not None:  # the returned prices (in the scores' units) certify the optimum
         assert float(assignment_bound(x, prices, k, extras=extras) - assignment_score(x, got)) <= 2 * tol
     if prices is not None:  # a warm start from the returned prices reaches the same optimum
-        warm, _, _ = solve_simulated(x, sizes, k, extras, prices, round_bytes=priced)
+        warm, p_warm, stats = solve_simulated(x, sizes, k, extras, prices, round_bytes=priced)
         check_feasible(warm, total, e, k, extras)
+        if priced:  # rows ahead of their counts change no result where the pair rounds ran alike
+            plain, p_plain, plain_stats = solve_simulated(x, sizes, k, extras, prices)
+            if plain_stats.price_updates == stats.price_updates:
+                assert torch.equal(warm, plain) and (p_warm is None) == (p_plain is None)
+                assert p_warm is None or torch.equal(p_warm, p_plain)
         assert abs(float(assignment_score(x, warm) - assignment_score(x, got))) <= 2 * tol
 
 
@@ -1025,6 +1030,32 @@ def test_a_band_that_surely_holds_more_rows_than_come_ahead_sums_its_counts():
     assert torch.equal(out, out1) and torch.equal(p, p1)
 
 
+def test_rows_ahead_of_a_band_whose_fixed_tokens_overfill_an_expert_are_dropped():
+    """A cold call on tied fp64 scores (a quarter of the tokens alike, one rank holding most):
+    the margin's first rows come with its counts, the fixed tokens then overfill an expert, so
+    its band grows before any gather: the rows that came are dropped, and the grown band's
+    counts and rows follow as by bytes alone (a sum, then a gather of the same size). The
+    same assignment and prices."""
+    sizes = [10, 80, 10, 1]
+    x = torch.randn(sum(sizes), 16, generator=torch.Generator().manual_seed(35), dtype=torch.float64)
+    x[::4] = x[0].clone()
+    plain_out, plain_p, plain = price_balanced_assignment(split(x, sizes), 2, ShardReduce(4), extras="lowest")
+    out, p, stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(4), extras="lowest", round_bytes=1e9)
+    assert all(torch.equal(a, b) for a, b in zip(out, plain_out, strict=True)) and torch.equal(p, plain_p)
+    margin = ("sum", 16 + 4 + price_prices.GAP_BINS + 1)
+    at = [entry[:2] for entry in plain.log].index(margin)
+    assert [entry[:2] for entry in plain.log[at : at + 2]] == [margin, margin]  # counted, overfilled, counted
+    assert stats.log[at][0] == "gather" and stats.log[at + 1 : at + 3] == plain.log[at + 1 : at + 3]
+    assert stats.margin_rows == plain.margin_rows
+
+
+def test_negative_caps_are_refused():
+    x = make_scores(0, 20, 4, "gauss")
+    for name in ("max_price_iters", "max_cycles"):
+        with pytest.raises(ValueError, match=f"{name} must be None or an int >= 0, got -1"):
+            price_balanced_assignment(split(x, [10, 10]), 1, ShardReduce(2), **{name: -1})
+
+
 def test_rows_sent_ahead_cost_at_most_their_share_of_a_round():
     """`ahead_rows`: the most rows a rank can send ahead, after its counts in whole rows, whose
     bytes, received from every rank, cost at most `AHEAD_SHARE` of a round; none without a
@@ -1099,15 +1130,17 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     # with a round priced, each check's counts and first rows in one gather of fixed size (at
     # 2000 bytes a few rows a rank, the rest in a second gather of uneven sizes): the same
     # collectives, prices and assignment as the simulation, and the same assignment as above
-    # (and with 2 updates, the margin's first counts with its first rows: its band stands)
-    for iters, round_bytes in ((0, 1e9), (0, 2000.0), (2, 1e9)):
+    # (and with 2 updates, the margin's first counts with its first rows: its band stands);
+    # 500 W bytes a round: one certificate row of 49 bytes ahead a rank at any W
+    small = 500.0 * world
+    for iters, round_bytes in ((0, 1e9), (0, small), (2, 1e9)):
         opts = dict(prices=far, max_price_iters=iters, round_bytes=round_bytes)
         (got_r,), p_r, stats_r = price_balanced_assignment(split(x, sizes)[me : me + 1], 2, GroupReduce(group), **opts)
         sim, p_sim, sim_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world), **opts)
         ahead = [kind for kind, _, _ in stats_r.log[stats_r.check_from :]]
         assert stats_r.log == sim_stats.log and set(ahead) == {"gather"}, stats_r.log
         if iters == 0:
-            assert stats_r.checks >= 2 and (len(ahead) > stats_r.checks) == (round_bytes == 2000.0), ahead
+            assert stats_r.checks >= 2 and (len(ahead) > stats_r.checks) == (round_bytes == small), ahead
         else:  # the margin's first counts came with rows: one sum of them fewer than by bytes alone
             plain = price_balanced_assignment(split(x, sizes), 2, ShardReduce(world), prices=far, max_price_iters=2)[2]
             margin_sums = [

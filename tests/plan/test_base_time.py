@@ -175,7 +175,7 @@ def test_a_priced_round_sends_rows_with_their_counts():
         assert free == (3, 2 * 2 * (W - 1) / W * 2 * W * 8)
         assert paid[0] == (2 if fits else 3) and (first <= min(ahead, 2 * rows / W)) == fits, (name, ahead, first)
         sent = min(ahead, 4096, price_certificate.AHEAD_FIRST * rows / W)  # the first check's rows ahead
-        assert paid[1] == W * row * (sent + 1 + min(sent, first) + 1)
+        assert paid[1] == W * row * (sent + 1 + min(ahead, first) + 1)  # the rows left out, as by bytes alone
         assert paid[1] <= 2 * price_rows.AHEAD_SHARE * 1.25e6  # two checks, each within its share
         assert m_free[0] == 2 and m_paid[0] == (1 if fits else 2) and (rows / W <= m_ahead) == fits, (name, m_ahead)
         sent = W * (-(-m_head // m_row) + m_ahead) * m_row
