@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..routing.exchange import held_mask, violations
 from .price_margin import Margin, append_rows, residual_graph
-from .price_rows import UNSENT, ahead_rows, as_bytes, gather_ahead, gather_rest, of_bytes, pack_rows, unpack_rows
+from .price_rows import UNSENT, ahead_rows, gather_ahead, gather_rest, pack_rows, unpack_rows
 
 __all__ = ["LAST_CHECK", "certify"]
 
@@ -105,13 +105,10 @@ def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats, ro
             short.append(part[_short(s.index_select(1, part), q, out.index_select(0, part), sn.of(part), delta)])
         width = num_experts if check == LAST_CHECK else cols  # under the new prices; a short row adds columns
         ahead = min(ahead_rows(round_bytes, world, lay.width(width), 8), most)
+        made = more = None
         if ahead:  # the rows, as many as fit, ride with the counts: no sum of its own
             made = _pack(s_parts, q, outs, bad, short, at_row, width, lay)
             b_sizes, more = _gather_ahead(made, bad, short, ahead, red)
-            most = max(b_sizes)
-            if most == 0:
-                ok = True
-                break
         else:
             counts = []
             for rank, b, sh in zip(red.ranks, bad, short, strict=True):
@@ -120,10 +117,11 @@ def certify(mg: Margin, s_parts, starts, sizes, k, red, delta, budget, stats, ro
                 counts.append(c)
             summed = red.sum(counts).cpu()
             b_sizes = (summed[:world] + summed[world:]).tolist()
-            most = max(b_sizes)
-            if most == 0:
-                ok = True
-                break
+        most = max(b_sizes)
+        if most == 0:
+            ok = True
+            break
+        if more is None:  # the counts came alone: the rows now, in the sizes they gave
             made = _pack(s_parts, q, outs, bad, short, at_row, width, lay)
             more = red.gather([r for r, _ in made], b_sizes).cpu()
         again, new_slots, new_s = unpack_rows(more, lay, width)
@@ -168,12 +166,9 @@ def _gather_ahead(made, bad, short, ahead, red):
     with the counts (`price_rows.gather_ahead`), the rest in a second gather where a rank had
     more. Returns (rows per rank, every rank's rows in rank order, as the counts' sum and one
     gather would)."""
-    heads = [
-        as_bytes(torch.tensor([[b.numel(), sh.numel()]], dtype=torch.int32))[0]
-        for b, sh in zip(bad, short, strict=True)
-    ]
+    heads = [torch.tensor([b.numel(), sh.numel()]) for b, sh in zip(bad, short, strict=True)]
     got, early = gather_ahead(heads, [r for r, _ in made], ahead, red)
-    sizes = of_bytes(got, torch.int32).sum(1).tolist()
+    sizes = got.sum(1).tolist()
     return sizes, gather_rest([r for r, _ in made], early, sizes, red)
 
 

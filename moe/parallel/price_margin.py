@@ -67,10 +67,8 @@ from .price_rows import (
     UNSENT,
     RowLayout,
     ahead_rows,
-    as_bytes,
     gather_ahead,
     gather_rest,
-    of_bytes,
     pack_rows,
     unpack_rows,
 )
@@ -113,15 +111,15 @@ class MarginStart:
         self.p1 = p.to(s_parts[0].dtype)[:, None]
         self.picks = [pick(s, self.p1, k) for s in s_parts]
         b = max(BAND * width, MIN_BAND)
+        edges = gap_edges()
         if gaps is not None and b <= 4.0:  # past 4 the margin is the whole problem
-            edges = gap_edges()
             below = gaps[:GAP_BINS].cumsum(0)  # the tokens below each edge
             above = int((edges < b).sum())  # the first edge at or above the band bounds its rows
             if above < GAP_BINS and int(below[above]) < min_rows:
                 b = max(b, float(edges[min(int((below < min_rows).sum()), GAP_BINS - 1)]))
         # the group's tokens surely in the first band (below an edge at or under it) and at most
         # in it (below the first edge above it), where counted; else 0 and every token
-        within = int((gap_edges() <= b).sum())
+        within = int((edges <= b).sum())
         self.surely = int(gaps[:within].sum()) if gaps is not None else 0
         self.at_most = int(gaps[: within + 1].sum()) if gaps is not None else None
         self.band = torch.full((num_experts,), b, dtype=torch.float64)  # per expert held
@@ -342,11 +340,10 @@ def _counts_ahead(s_parts, first: MarginStart, cols: int, lay: RowLayout, ahead:
     heads, made = [], []
     for rank, c, s, (out, _), nr, w in zip(red.ranks, first.counts, s_parts, first.picks, near, want, strict=True):
         own = torch.cat([c[:num_experts], c[num_experts + rank : num_experts + rank + 1], c[num_experts + world :]])
-        heads.append(as_bytes(own.to(torch.int32)[None])[0])
+        heads.append(own)
         lc = nr.nonzero().flatten()
         made.append(pack_rows(s, first.p1, out, lc, None, cols, lay, w.index_select(0, lc)))
-    got, sent = gather_ahead(heads, [r for r, _ in made], ahead, red)
-    own = of_bytes(got, torch.int32).long()
+    own, sent = gather_ahead(heads, [r for r, _ in made], ahead, red)
     summed = torch.cat([own[:, :num_experts].sum(0), own[:, num_experts], own[:, num_experts + 1 :].sum(0)])
     return summed, (made, sent)
 

@@ -139,21 +139,22 @@ def ahead_rows(round_bytes: float, world: int, row_bytes: int, head_bytes: int) 
 
 
 def gather_ahead(heads: list[Tensor], rows: list[Tensor], ahead: int, red) -> tuple[Tensor, Tensor]:
-    """One gather of fixed size: per local shard its counts ``heads`` (uint8, as long on every
-    rank) in whole rows, then the first ``ahead`` of its ``rows`` ((n, width) uint8, the same
-    width on every rank), zeros beyond them. Returns every rank's counts (W, len) uint8 and
-    first rows (W, ``ahead``, width), of which rank r's first min(n_r, ``ahead``) are its own."""
-    width, length = rows[0].shape[1], heads[0].numel()
+    """One gather of fixed size: per local shard its counts ``heads`` ((n,) values below 2^31, as
+    many on every rank; int32 bytes in whole rows), then the first ``ahead`` of its ``rows``
+    ((n, width) uint8, the same width on every rank), zeros beyond them. Returns every rank's
+    counts (W, n) int64 and first rows (W, ``ahead``, width), of which rank r's first
+    min(n_r, ``ahead``) are its own."""
+    width, length = rows[0].shape[1], 4 * heads[0].numel()
     head = -(-length // width)
     blocks = []
     for h, r in zip(heads, rows, strict=True):
         block = r.new_zeros(head + ahead, width)
-        block.view(-1)[:length] = h.to(r.device)
+        block.view(-1)[:length] = as_bytes(h.to(r.device, torch.int32)[None])[0]
         n = min(ahead, r.shape[0])
         block[head : head + n] = r[:n]
         blocks.append(block)
     got = red.gather(blocks, [head + ahead] * red.world).cpu().view(red.world, head + ahead, width)
-    return got[:, :head].reshape(red.world, -1)[:, :length], got[:, head:]
+    return of_bytes(got[:, :head].reshape(red.world, -1)[:, :length], torch.int32).long(), got[:, head:]
 
 
 def gather_rest(rows: list[Tensor], early: Tensor, sizes: list[int], red) -> Tensor:
