@@ -5,6 +5,9 @@ Legend: T tokens on this rank, E experts, K slots per token.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -20,6 +23,35 @@ from .reduction import GroupReduce
 __all__ = ["GroupBalance", "METHODS"]
 
 METHODS = ("prices", "gather")
+# forwards a re-run can find: more than the micro-batches a pipeline schedule keeps in flight
+KEEP = 256
+# what a rank tells the group with its T in the exchange before a solve (4 T + this)
+_MISS, _START, _ROUTES, _FORWARD = range(4)
+
+
+@dataclass
+class _Forward:
+    """What a forward of the price method leaves for its activation-checkpointing re-run."""
+
+    key: tuple[int, ...]  # `_fingerprint` of its scores
+    start: Tensor | None  # the prices it started from (the same on every rank)
+    routes: Tensor | None  # its (T, K) experts in the narrowest integer type, once re-runs are seen
+
+
+def _fingerprint(scores_TE: Tensor) -> tuple[int, ...]:
+    """The shape and two integer sums of the scores' bits (one plain, one weighted by position):
+    a re-run's recomputed scores are the forward's bit for bit. Integer sums wrap the same in
+    any order, so the key does not depend on how the device reduces (one host sync)."""
+    flat = scores_TE.detach().contiguous().view(-1)
+    bits = flat.view({1: torch.uint8, 2: torch.int16}.get(flat.element_size(), torch.int32)).to(torch.int64)
+    weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device).mul_(2).add_(1)
+    sums = torch.stack([bits.sum(), (bits * weights).sum()])
+    return (*scores_TE.shape, *sums.tolist())
+
+
+def _narrow(idx_TK: Tensor, num_experts: int) -> Tensor:
+    dtype = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+    return idx_TK.to(dtype)
 
 
 class GroupBalance:
@@ -34,7 +66,9 @@ class GroupBalance:
     rank solves the whole problem with ``solver``. Its cost per call: each rank receives the
     group's (sum T, E) fp32 scores and solves over sum T tokens. ``round_bytes``: what a round
     of collectives costs, in bytes (`price_balanced_assignment`; the router config's
-    ``base_round_bytes``), the same on every rank."""
+    ``base_round_bytes``), the same on every rank. An activation-checkpointing re-run with
+    ``"prices"`` routes as its forward did, from the routes or the start that forward kept
+    (`_by_prices`)."""
 
     def __init__(self, group, solver, method: str = "prices", round_bytes: float = 0.0) -> None:
         if method not in METHODS:
@@ -43,7 +77,9 @@ class GroupBalance:
         self.method = method if solver is balanced_assignment else "gather"
         self.agreement = None  # the layer's `Agreement`, told when the exchange has run
         self.prices: Tensor | None = None  # (E,) the last call's, the next call's start
-        self._start: Tensor | None = None  # what the last forward started from (for a re-run)
+        self._start: Tensor | None = None  # what the last forward started from
+        self._kept: list[_Forward] = []  # the last `KEEP` forwards, for their re-runs (oldest first)
+        self._reruns = False  # a re-run has come: forwards keep their routes
         self.stats = None  # the last call's `PriceStats`
 
     @classmethod
@@ -53,21 +89,57 @@ class GroupBalance:
         return cls(group, solver=router.assign, method=method, round_bytes=router.config.base_round_bytes)
 
     def __call__(self, scores_TE: Tensor, k: int, **options) -> Tensor:
-        sizes = exchange_sizes(scores_TE.shape[0], self.group, scores_TE.device)
-        if self.agreement is not None:
-            self.agreement.passed("global")
-        raise_if_peers_failed(sizes, self.group, "exchange")
         if self.method == "prices":
             return self._by_prices(scores_TE.detach(), k, options)
+        sizes = self._exchange(scores_TE.shape[0], scores_TE.device)
         rows = all_gather_rows(scores_TE.detach(), sizes, self.group)  # the same (sum T, E) everywhere
         idx = self.solver(rows, k, **options)
         start = sum(sizes[: dist.get_rank(self.group)])
         return idx[start : start + scores_TE.shape[0]]
 
+    def _exchange(self, n: int, device: torch.device) -> list[int]:
+        """The "global" stage: every rank's ``n`` (-1 where a rank failed: every rank raises)."""
+        sent = exchange_sizes(n, self.group, device)
+        if self.agreement is not None:
+            self.agreement.passed("global")
+        raise_if_peers_failed(sent, self.group, "exchange")
+        return sent
+
     def _by_prices(self, scores_TE: Tensor, k: int, options: dict) -> Tensor:
-        # an activation-checkpointing re-run starts where its forward did, so it routes the same
+        """An activation-checkpointing re-run routes as its forward did, whatever ran between
+        them (a pipeline schedule runs several micro-batches' forwards before their backwards):
+        it finds its forward by its scores' fingerprint, and takes the forward's routes where
+        every rank kept them (no solve), else solves again from the forward's start. Whether to
+        is agreed in the exchange before the solve."""
         rerun = in_backward()
-        start = self._start if rerun else self.prices
+        key = (k, *_fingerprint(scores_TE))
+        found = next((f for f in self._kept if f.key == key), None) if rerun else None
+        code = _FORWARD if not rerun else _MISS if found is None else _START if found.routes is None else _ROUTES
+        sent = self._exchange(4 * scores_TE.shape[0] + code, scores_TE.device)
+        codes = [n % 4 for n in sent]
+        if len({c == _FORWARD for c in codes}) > 1:
+            ranks = dist.get_process_group_ranks(self.group)
+            raise ValueError(
+                f"global BASE: the ranks {ranks} disagree on whether this call is an activation-checkpointing "
+                f"re-run (in a backward: {[c != _FORWARD for c in codes]}); they must run the same schedule"
+            )
+        if rerun:
+            self._reruns = True
+            if found is not None:
+                self._kept.remove(found)
+            if min(codes) == _ROUTES:
+                return found.routes.to(torch.int64)
+            if min(codes) == _MISS:
+                warnings.warn(
+                    "global BASE: on some rank, an activation-checkpointing re-run's scores match none of "
+                    f"the last {KEEP} forwards' (more micro-batches in flight, or scores recomputed otherwise); "
+                    "every rank solves from the last forward's start, which may route tied tokens otherwise",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            start = self._start if min(codes) == _MISS else found.start
+        else:
+            start = self.prices
         if start is not None and start.numel() != scores_TE.shape[-1]:
             start = None
         kwargs = {key: options[key] for key in ("extras", "eps", "max_cycles") if key in options}
@@ -76,4 +148,6 @@ class GroupBalance:
         )
         if not rerun:
             self._start, self.prices = start, None if prices is None else prices.to(torch.float64).cpu()
+            routes = _narrow(idx, scores_TE.shape[-1]) if self._reruns else None
+            self._kept = [*self._kept[-(KEEP - 1) :], _Forward(key, start, routes)]
         return idx

@@ -175,6 +175,34 @@ def check_global_base(mesh, tokens: list[int]) -> None:
         assert torch.equal(counts.sort(descending=True).values, expert_capacities(sum(tokens), 4, k)), (case, counts)
 
 
+def check_global_base_reruns(mesh) -> None:
+    """Activation checkpointing with global BASE, three micro-batches' forwards before their
+    backwards (a pipeline schedule's order), two steps: the same outputs and gradients as
+    without checkpointing. The router's first two experts score alike, so every token ties
+    between them, and a re-run solved from another start than its forward's routes otherwise."""
+    from torch.utils.checkpoint import checkpoint
+
+    rank = dist.get_rank()
+    scale = torch.linspace(-1, 1, 8)
+    got = {}
+    for checkpointed in (False, True):
+        layer = build("base-k2")
+        with torch.no_grad():
+            layer.router.weight[1] = layer.router.weight[0]
+        parallelize_moe(layer, mesh, global_base=True)
+        run = (lambda x, layer=layer: checkpoint(layer, x, use_reentrant=False)) if checkpointed else layer
+        for step in range(2):
+            xs = [tokens_of("tied", rank, 10 + 3 * m + step).requires_grad_() for m in range(3)]
+            ys = [run(x) for x in xs]
+            for y in ys:
+                (y * scale).sum().backward()
+            got[checkpointed, step] = [*ys, *(x.grad for x in xs), *(p.grad.clone() for p in layer.parameters())]
+            layer.zero_grad()
+    for step in range(2):
+        for a, b in zip(got[True, step], got[False, step], strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+
+
 def check_disagreement(mesh) -> None:
     """A rank with another configuration: every rank raises, none hangs."""
     layer = build("topk", hidden_dim=12 if dist.get_rank() == 0 else 16)
@@ -195,6 +223,7 @@ def worker_ep2(rank: int, world: int, store: str) -> None:
         check_static_splits(mesh)
         check_static_path_reads_nothing(mesh)
         check_global_base(mesh, [7, 3])
+        check_global_base_reruns(mesh)
         check_disagreement(mesh)
         check_bad_arguments(mesh)
         check_training(mesh, [6, 3])

@@ -1197,9 +1197,78 @@ def check_group(group, world: int, rank: int, seed: int) -> None:
     assert got.shape == (10, 1)
 
 
+def in_a_backward(fn):
+    """``fn()`` while autograd runs a backward, where activation checkpointing re-runs forwards."""
+    out = []
+
+    class Rerun(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            out.append(fn())
+            return grad
+
+    Rerun.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    return out[0]
+
+
+def check_reruns(group, world: int) -> None:
+    """Re-runs after three micro-batches' forwards (a pipeline schedule's order) route as their
+    forwards: in the first step solved again from each forward's own start, in the second from
+    the routes the forwards kept, with no solve. The scores tie (integers), so the last forward's
+    start, the rule before, routes some otherwise. Scores no forward had: a warning, and a solve
+    from the last forward's start, on every rank where one rank has none. Ranks that disagree on
+    re-running: every rank raises."""
+    me = dist.get_rank(group)
+    balance = GroupBalance(group, balanced_assignment)
+    gen = torch.Generator().manual_seed(7)
+    tied = [torch.randint(0, 3, (20 + 7 * me + m, 8), generator=gen).float() for m in range(3)]
+    wrapped = mock.patch("moe.parallel.global_base.price_balanced_assignment", wraps=price_balanced_assignment)
+    for step in range(2):
+        with wrapped as solve:
+            routes = [balance(s, 2) for s in tied]
+            starts = [c.kwargs["prices"] for c in solve.call_args_list]
+            again = in_a_backward(lambda: [balance(s, 2) for s in tied])
+        assert all(torch.equal(a, b) for a, b in zip(again, routes, strict=True)), (step, me)
+        reruns = [c.kwargs["prices"] for c in solve.call_args_list[3:]]
+        if step == 0:
+            assert len(reruns) == 3 and all(a is b for a, b in zip(reruns, starts, strict=True)), step
+        else:
+            assert reruns == [], step
+        assert balance._kept == [], step  # each re-run takes its forward's entry
+    others = sum(
+        not torch.equal(price_balanced_assignment([s], 2, GroupReduce(group), prices=starts[-1])[0][0], r)
+        for s, r in zip(tied[:2], routes[:2], strict=True)
+    )
+    others = torch.tensor(others)
+    dist.all_reduce(others, group=group)
+    assert others > 0, "the scores must tie: the last forward's start routes the same"
+    balance(tied[0], 2)
+    last = balance._start
+    with pytest.warns(RuntimeWarning, match="match none"), wrapped as solve:
+        in_a_backward(lambda: balance(tied[1], 2))
+    assert solve.call_args.kwargs["prices"] is last
+    # a forward's scores found on one rank alone: every rank solves, from the last start
+    balance(tied[0], 2)
+    last = balance._start
+    with pytest.warns(RuntimeWarning, match="match none"), wrapped as solve:
+        in_a_backward(lambda: balance(tied[0] if me == 0 else tied[1], 2))
+    assert solve.call_args.kwargs["prices"] is last
+    with pytest.raises(ValueError, match="disagree on whether this call is an activation-checkpointing re-run"):
+        if me == 0:
+            in_a_backward(lambda: balance(tied[0], 2))
+        else:
+            balance(tied[0], 2)
+    assert balance(tied[2], 2).shape == (tied[2].shape[0], 2)  # the group goes on working
+
+
 def worker(rank: int, world: int, store: str) -> None:
     init(rank, world, store)
     check_group(dist.group.WORLD, world, rank, seed=10)
+    check_reruns(dist.group.WORLD, world)
     if world == 4:  # the two-rank groups, in the same launch
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         check_group(pairs[rank // 2], 2, rank, seed=20 + rank // 2)

@@ -104,12 +104,16 @@ def test_only_base_over_an_ep_group_pays_it():
     assert _step(_base(name), lay, gpu, seqs).exposed_s["global_base"] > 0
 
 
-def test_a_recomputed_forward_solves_again():
+def test_a_recomputed_forward_takes_its_forwards_routes():
+    """Activation checkpointing's re-run of a layer takes the routes its forward kept
+    (`GroupBalance`): one round of its own (the exchange that agrees on it), not a second solve."""
     name, gpu, lay, seqs = LARGE
     once = _step(_base(name), lay, gpu, seqs)
-    twice = _step(_base(name), dataclasses.replace(lay, recompute=True), gpu, seqs)
-    assert twice.exposed_s["global_base"] == pytest.approx(2 * once.exposed_s["global_base"], rel=1e-9)
-    assert twice.bytes_per_rank["global_base"] == pytest.approx(2 * once.bytes_per_rank["global_base"], rel=1e-9)
+    again = _step(_base(name), dataclasses.replace(lay, recompute=True), gpu, seqs)
+    calls = (again.exposed_s["global_base"] - once.exposed_s["global_base"]) / base_time.ROUND_LATENCY_S
+    assert calls > 0 and calls == pytest.approx(round(calls), abs=1e-6)  # a round per re-run
+    assert once.exposed_s["global_base"] / calls > 10 * base_time.ROUND_LATENCY_S  # a solve: many more
+    assert again.bytes_per_rank["global_base"] < 1.01 * once.bytes_per_rank["global_base"]
 
 
 @pytest.mark.parametrize("case", [DEEPSEEK, LARGE], ids=["deepseek-v3-like", "llama2-moe-1.2t"])
