@@ -45,7 +45,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..config import MoEConfig
 from ..layer import MoE, aux_loss
 from ..parallel import FlatDispatcher, GroupBalance
-from ..parallel.agreement import exchange_sizes
 from ..routing import BaseRouter, TopKRouter
 
 try:
@@ -231,11 +230,11 @@ def _attach_expert_parallel(layer: MoE, ep_mesh) -> None:
 
 class _GlobalBalance:
     """The one status collective of a global-BASE forward when the layer has no expert
-    parallelism (so no `moe.parallel.Agreement`): `GroupBalance`'s size exchange. A rank that
-    fails before it (bad input, NaN logits) sends -1 there instead, so every rank raises."""
+    parallelism (so no `moe.parallel.Agreement`): `GroupBalance`'s first. A rank that fails
+    before it (bad input, NaN logits) runs it with a failure notice, so every rank raises."""
 
-    def __init__(self, group, device: torch.device) -> None:
-        self.group, self.device = group, device
+    def __init__(self, balance: GroupBalance, device: torch.device) -> None:
+        self.balance, self.device = balance, device
         self.ahead = False
 
     def start(self) -> None:
@@ -247,22 +246,22 @@ class _GlobalBalance:
     def relay(self, err: Exception):
         if self.ahead:
             self.ahead = False
-            exchange_sizes(-1, self.group, self.device)
+            self.balance.fail(self.device)
         raise err
 
 
 def _balance_globally(ff: MoEFeedForward, mesh, method: str = "prices") -> None:
     """BASE over every data-parallel rank's tokens: `moe.parallel.GroupBalance` on ``mesh``'s
     group (torchtitan's "loss" mesh: the ranks that hold different tokens), so the assignment is
-    the one a single process makes over the whole batch. Under EP its size exchange is one of
+    the one a single process makes over the whole batch. Under EP its first collective is one of
     the dispatcher's status collectives; without EP `_GlobalBalance` carries failures."""
     layer, group = ff.moe, mesh.get_group()
-    layer.router.assign = GroupBalance.around(layer.router, group, method)
+    balance = layer.router.assign = GroupBalance.around(layer.router, group, method)
     if layer.parallel is not None:
-        layer.router.assign.agreement = layer.parallel.agreement
-        layer.parallel.agreement.global_group = group
+        balance.agreement = layer.parallel.agreement
+        layer.parallel.agreement.global_balance = balance
     else:
-        ff.balance = layer.router.assign.agreement = _GlobalBalance(group, torch.device(mesh.device_type))
+        ff.balance = balance.agreement = _GlobalBalance(balance, torch.device(mesh.device_type))
 
 
 def _replicate_on(module: nn.Module, mesh) -> None:

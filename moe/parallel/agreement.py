@@ -12,7 +12,8 @@ failure notice, and in this order:
   ep, checked on the device, before the tokens are gathered or routed;
 - "etp" (etp meshes): each etp rank's T and seq_len, over etp, before the tokens are gathered;
 - "bias" (top-k with the aux-loss-free bias, training): the load all-reduce over the mesh;
-- "global" (global BASE, training): the size exchange over ep (or the group it balances over);
+- "global" (global BASE, training): over ep (or the group it balances over), the solve's header
+  by prices (each rank's status in its slot), the size exchange of the gathered path;
 - "counts" (counted path) or "static" (static path, host-reading router): the count exchange,
   or each rank's T, over ep, after routing and before any row moves.
 
@@ -123,9 +124,9 @@ class Agreement:
         self.num_experts = num_experts
         self.device = torch.device(mesh.device_type)
         self.ahead: list[str] = []  # status collectives still to run in this forward
-        # the group of the "global" stage: global BASE's, the ep group unless it balances over
-        # a larger one (the torchtitan adapter's, over every data-parallel rank)
-        self.global_group = ep_group
+        # the "global" stage's `GroupBalance` (global BASE's, over the ep group or a larger one:
+        # the torchtitan adapter's, over every data-parallel rank), set with it
+        self.global_balance = None
         # values each rank sends every rank in the count exchange: the flat dispatcher's rows per
         # local expert, unless the dispatcher exchanges other counts (the two-level one's)
         self.count_width = num_experts // dist.get_world_size(ep_group)
@@ -147,7 +148,7 @@ class Agreement:
                 loads = torch.zeros(self.num_experts + 1, dtype=torch.float32, device=self.device)  # as the router's
                 self.sum_loads(loads, failed=True)
             elif stage == "global":
-                exchange_sizes(-1, self.global_group, self.device)
+                self.global_balance.fail(self.device)
             elif stage == "static":
                 exchange_sizes(-1, self.ep_group, self.device)
             else:  # "counts": the dispatcher's count exchange, every count -1

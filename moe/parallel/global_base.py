@@ -17,7 +17,7 @@ from ..routing.common import in_backward
 from .agreement import exchange_sizes
 from .all_to_all import all_gather_rows
 from .dispatch import raise_if_peers_failed
-from .price_base import price_balanced_assignment
+from .price_base import agree, fail_agreement, price_balanced_assignment
 from .reduction import GroupReduce
 
 __all__ = ["GroupBalance", "METHODS"]
@@ -25,8 +25,9 @@ __all__ = ["GroupBalance", "METHODS"]
 METHODS = ("prices", "gather")
 # forwards a re-run can find: more than the micro-batches a pipeline schedule keeps in flight
 KEEP = 256
-# what a rank tells the group with its T in the exchange before a solve (4 T + this)
-_MISS, _START, _ROUTES, _FORWARD = range(4)
+# what a rank tells the group in the solve's header (its tag): a forward, or a re-run that
+# found nothing, its forward's start, or its forward's routes
+_FORWARD, _MISS, _START, _ROUTES = range(4)
 
 
 @dataclass
@@ -98,25 +99,48 @@ class GroupBalance:
         return idx[start : start + scores_TE.shape[0]]
 
     def _exchange(self, n: int, device: torch.device) -> list[int]:
-        """The "global" stage: every rank's ``n`` (-1 where a rank failed: every rank raises)."""
+        """The "global" stage of the gathered path: every rank's ``n`` (-1 where a rank failed:
+        every rank raises)."""
         sent = exchange_sizes(n, self.group, device)
-        if self.agreement is not None:
-            self.agreement.passed("global")
+        self._passed()
         raise_if_peers_failed(sent, self.group, "exchange")
         return sent
 
+    def _passed(self) -> None:
+        if self.agreement is not None:
+            self.agreement.passed("global")
+
+    def fail(self, device: torch.device) -> None:
+        """This rank failed before the "global" stage: run the stage's collective with a failure
+        notice, so every other rank raises there (`Agreement.relay`)."""
+        if self.method == "prices":
+            fail_agreement(GroupReduce(self.group), device)
+        else:
+            exchange_sizes(-1, self.group, device)
+
     def _by_prices(self, scores_TE: Tensor, k: int, options: dict) -> Tensor:
-        """An activation-checkpointing re-run routes as its forward did, whatever ran between
-        them (a pipeline schedule runs several micro-batches' forwards before their backwards):
-        it finds its forward by its scores' fingerprint, and takes the forward's routes where
-        every rank kept them (no solve), else solves again from the forward's start. Whether to
-        is agreed in the exchange before the solve."""
+        """The solve's header is the "global" stage: it carries each rank's failure notice and
+        its tag, so a call takes no round beside the solve's. An activation-checkpointing re-run
+        routes as its forward did, whatever ran between them (a pipeline schedule runs several
+        micro-batches' forwards before their backwards): it finds its forward by its scores'
+        fingerprint, and takes the forward's routes where every rank kept them (no more
+        rounds), else solves again from the forward's start; the tags agree on which."""
         rerun = in_backward()
         key = (k, *_fingerprint(scores_TE))
         found = next((f for f in self._kept if f.key == key), None) if rerun else None
         code = _FORWARD if not rerun else _MISS if found is None else _START if found.routes is None else _ROUTES
-        sent = self._exchange(4 * scores_TE.shape[0] + code, scores_TE.device)
-        codes = [n % 4 for n in sent]
+        kwargs = {key: options[key] for key in ("extras", "eps", "max_cycles") if key in options}
+        red = GroupReduce(self.group)
+        # declared before the start is known (alike on every rank: the same history), so the
+        # solve checks the other options against the header
+        given = (self._start if rerun else self.prices) is not None
+        try:
+            header = agree([scores_TE], k, red, tags=[code], prices_given=given, round_bytes=self.round_bytes, **kwargs)
+        finally:
+            if red.rounds:  # it ran (else an option was refused first: the relay runs it)
+                self._passed()
+        raise_if_peers_failed([-int(j in header.failed) for j in range(red.world)], self.group, "exchange")
+        codes = header.tags
         if len({c == _FORWARD for c in codes}) > 1:
             ranks = dist.get_process_group_ranks(self.group)
             raise ValueError(
@@ -142,9 +166,8 @@ class GroupBalance:
             start = self.prices
         if start is not None and start.numel() != scores_TE.shape[-1]:
             start = None
-        kwargs = {key: options[key] for key in ("extras", "eps", "max_cycles") if key in options}
         (idx,), prices, self.stats = price_balanced_assignment(
-            [scores_TE], k, GroupReduce(self.group), prices=start, round_bytes=self.round_bytes, **kwargs
+            [scores_TE], k, red, prices=start, round_bytes=self.round_bytes, header=header, **kwargs
         )
         if not rerun:
             self._start, self.prices = start, None if prices is None else prices.to(torch.float64).cpu()

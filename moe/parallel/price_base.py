@@ -66,6 +66,7 @@ whole.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -80,7 +81,7 @@ from .price_prices import capacities, jacobi_prices, pair_prices, pair_rounds_pa
 from .price_rows import margin_row_bytes
 from .reduction import Reduction
 
-__all__ = ["PriceStats", "price_balanced_assignment"]
+__all__ = ["Header", "PriceStats", "agree", "fail_agreement", "price_balanced_assignment"]
 
 _DTYPES = {torch.float32: 1, torch.float64: 2}
 MIN_ROWS = 2  # per expert: a thinner margin leaves the cycles too few moves, and many fixed tokens fail
@@ -104,27 +105,82 @@ class PriceStats:
     log: list = field(default_factory=list)
 
 
-def _header(
-    parts_TE: list[Tensor], k: int, red: Reduction, settings: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
-) -> tuple[list[int], float, float, torch.dtype]:
-    """Agree on the shapes, dtypes, validity, token counts and scale: (sizes, big, half, dtype).
-    ``settings``: (``round_bytes``, the flags and update cap as one number, ``eps``,
-    ``max_cycles``), the options that decide which collectives run, which every rank must share."""
+# each rank's status in the header, in its own slot (so the max is every rank's): its scores
+# invalid, it failed before the solve (`fail_agreement`), or fine with the caller's tag
+_INVALID, _FAILED, _TAGGED = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the ranks agreed on before a solve (`agree`)."""
+
+    sizes: list[int]  # every rank's T
+    big: float  # the largest |score|
+    half: float  # half the largest per-token range
+    dtype: torch.dtype  # the solve's
+    settings: tuple[float, ...]  # the options that decide which collectives run (`_settings`)
+    tags: list[int]  # every rank's tag (0 where the caller gave none)
+    failed: list[int]  # the group ranks that failed before the solve; where any, nothing else is read
+    since: tuple[int, int, int] = (0, 0, 0)  # the reduction's rounds, values and bytes before it
+
+
+def _settings(round_bytes, local_start, prices_given, extras, max_price_iters, eps, max_cycles) -> tuple[float, ...]:
+    """The options that decide which collectives run, as numbers (the flags and the update cap
+    as one): every rank must share them."""
+    check_float("round_bytes", round_bytes, 0)
+    for name, value in (("max_price_iters", max_price_iters), ("max_cycles", max_cycles)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"price_balanced_assignment: {name} must be None or an int >= 0, got {value!r}")
+    iters = -1 if max_price_iters is None else max_price_iters
+    options = int(local_start) + 2 * bool(prices_given) + 4 * (extras == "lowest") + 8 * (iters + 1)
+    return (float(round_bytes), float(options), float(eps), float(-1 if max_cycles is None else max_cycles))
+
+
+def _without_prices_flag(settings: tuple[float, ...]) -> tuple[float, ...]:
+    """The settings without the digit of ``prices`` given or not (a caller of `agree` keeps
+    the prices alike itself, and may declare them before it knows them)."""
+    options = int(settings[1])
+    return (settings[0], float(options - 2 * (options >> 1 & 1)), *settings[2:])
+
+
+def agree(
+    parts_TE: list[Tensor],
+    k: int,
+    red: Reduction,
+    *,
+    tags: list[int] | None = None,
+    prices_given: bool = False,
+    extras: str = "best",
+    eps: float = 1e-6,
+    max_price_iters: int | None = None,
+    max_cycles: int | None = None,
+    local_start: bool = True,
+    round_bytes: float = 0.0,
+) -> Header:
+    """The header: one max of 16 + 3W float64 agreeing on the shapes, dtypes, validity, token
+    counts, scale and options of `price_balanced_assignment` (its arguments, ``prices`` as
+    ``prices_given``), and each local shard's ``tags`` (ints >= 0, e.g. what a caller decides
+    with the group before solving). Bad scores or differing options on one rank raise on every
+    rank; where a rank failed before the solve (`fail_agreement`), only ``failed`` is read."""
+    _check_extras(extras)
+    settings = _settings(round_bytes, local_start, prices_given, extras, max_price_iters, eps, max_cycles)
+    tags = [0] * len(parts_TE) if tags is None else tags
     world, n_fixed = red.world, 8 + 2 * len(settings)
     rows, errors = [], {}
-    for rank, scores in zip(red.ranks, parts_TE, strict=True):
+    for rank, scores, tag in zip(red.ranks, parts_TE, tags, strict=True):
         h = torch.zeros(n_fixed + 3 * world, dtype=torch.float64)
         try:
             _check(scores, k)
         except ValueError as err:
             errors[rank] = err
-            h[n_fixed + rank] = 1
+            h[n_fixed + rank] = _INVALID
             rows.append(h)
             continue
         dtype = torch.promote_types(scores.dtype, torch.float32)
         num_tokens, num_experts = scores.shape
         h[:6] = torch.tensor([num_experts, -num_experts, k, -k, _DTYPES[dtype], -_DTYPES[dtype]], dtype=torch.float64)
         h[8:n_fixed] = torch.tensor([v for s in settings for v in (s, -s)], dtype=torch.float64)
+        h[n_fixed + rank] = _TAGGED + tag
         if num_tokens:
             lo, hi = scores.amin(dim=1).to(dtype), scores.amax(dim=1).to(dtype)
             big, half = torch.stack([torch.maximum(hi.abs(), lo.abs()).amax(), (hi * 0.5 - lo * 0.5).amax()]).tolist()
@@ -135,8 +191,29 @@ def _header(
         h[n_fixed + world + rank] = num_tokens
         rows.append(h)
     device = next((p.device for p in parts_TE if isinstance(p, Tensor)), torch.device("cpu"))
-    out = red.max([h.to(device) for h in rows]).cpu()
-    bad, sizes, nonfinite = (out[n_fixed + i * world : n_fixed + (i + 1) * world] for i in range(3))
+    since = (red.rounds, red.values, red.bytes)
+    header = _read(red.max([h.to(device) for h in rows]).cpu(), world, n_fixed, errors, settings)
+    return dataclasses.replace(header, since=since)
+
+
+def fail_agreement(red: Reduction, device: torch.device, num_settings: int = 4) -> None:
+    """A rank that failed before the solve: the header's max with its slot marked failed, so
+    every other rank raises there instead of waiting in the solve's next collective."""
+    world, n_fixed = red.world, 8 + 2 * num_settings
+    rows = []
+    for rank in red.ranks:
+        h = torch.zeros(n_fixed + 3 * world, dtype=torch.float64, device=device)
+        h[n_fixed + rank] = _FAILED
+        rows.append(h)
+    red.max(rows)
+
+
+def _read(out: Tensor, world: int, n_fixed: int, errors: dict, settings: tuple[float, ...]) -> Header:
+    status, sizes, nonfinite = (out[n_fixed + i * world : n_fixed + (i + 1) * world] for i in range(3))
+    failed = (status == _FAILED).nonzero().flatten().tolist()
+    if failed:
+        return Header([], 0.0, 0.0, torch.float32, settings, [], failed)
+    bad = status == _INVALID
     if bad.any():
         if errors:
             raise next(iter(errors.values()))
@@ -156,7 +233,8 @@ def _header(
     if nonfinite.any():
         raise ValueError(f"scores must be finite: found NaN or Inf on ranks {nonfinite.nonzero().flatten().tolist()}")
     dtype = {v: d for d, v in _DTYPES.items()}[int(out[4])]
-    return [int(n) for n in sizes.tolist()], float(out[6]), float(out[7]), dtype
+    tags = [int(v) - _TAGGED for v in status.tolist()]
+    return Header([int(n) for n in sizes.tolist()], float(out[6]), float(out[7]), dtype, settings, tags, [])
 
 
 def _normalise(parts_TE, red, sizes, big, half, dtype, jitter) -> tuple[list[Tensor], list[int], float]:
@@ -200,6 +278,7 @@ def price_balanced_assignment(
     max_cycles: int | None = None,
     local_start: bool = True,
     round_bytes: float = 0.0,
+    header: Header | None = None,
 ) -> tuple[list[Tensor], Tensor | None, PriceStats]:
     """The exact balanced assignment of the stacked problem, each shard keeping its rows.
 
@@ -229,6 +308,10 @@ def price_balanced_assignment(
             ``prices`` given or not, ``local_start``, ``max_price_iters`` and ``round_bytes``
             must be the same on every rank (`GroupBalance` keeps them so): they decide which
             collectives run.
+        header: the group's `agree` on these scores and options, where the caller ran it (its
+            round then counted there); None: the solve's first round runs it. The caller keeps
+            ``prices`` alike on every rank (their values, not only given or not, which its
+            header may have declared otherwise).
 
     Returns (expert_idx (T, K) int64 per shard, the final prices (E,) float64 in the scores'
     units (mean zero; zeros where every token's scores are all equal), or None when there was
@@ -236,17 +319,20 @@ def price_balanced_assignment(
     same on every rank, exactly balanced over the group, and within the single-process
     solver's bound of the optimum.
     """
-    _check_extras(extras)
-    check_float("round_bytes", round_bytes, 0)
-    for name, value in (("max_price_iters", max_price_iters), ("max_cycles", max_cycles)):
-        if value is not None and (not isinstance(value, int) or value < 0):
-            raise ValueError(f"price_balanced_assignment: {name} must be None or an int >= 0, got {value!r}")
     stats = PriceStats()
-    rounds0, values0, bytes0 = red.rounds, red.values, red.bytes
-    iters = -1 if max_price_iters is None else max_price_iters  # the options as numbers, each flag its own digit
-    options = int(local_start) + 2 * (prices is not None) + 4 * (extras == "lowest") + 8 * (iters + 1)
-    cycles = -1 if max_cycles is None else max_cycles
-    sizes, big, half, dtype = _header(parts_TE, k, red, (round_bytes, options, eps, cycles))
+    options = dict(extras=extras, eps=eps, max_price_iters=max_price_iters, max_cycles=max_cycles)
+    options.update(local_start=local_start, round_bytes=round_bytes)
+    if header is None:
+        header = agree(parts_TE, k, red, prices_given=prices is not None, **options)
+    else:
+        _check_extras(extras)
+        mine = _settings(round_bytes, local_start, prices is not None, extras, max_price_iters, eps, max_cycles)
+        if _without_prices_flag(mine) != _without_prices_flag(header.settings):
+            raise ValueError("price_balanced_assignment: the header was agreed on other options than this call's")
+    if header.failed:
+        raise ValueError(f"ranks {header.failed} of the group failed before the solve (see their errors)")
+    sizes, big, half, dtype = header.sizes, header.big, header.half, header.dtype
+    rounds0, values0, bytes0 = header.since  # the header's round counted with the solve's
     total = sum(sizes)
     num_experts = parts_TE[0].shape[1]
     device = parts_TE[0].device

@@ -58,9 +58,11 @@ __all__ = [
     "certificate",
     "global_base_bytes",
     "global_base_s",
+    "header_bytes",
     "local_start_bytes",
     "margin",
     "pair_rounds",
+    "rerun_s",
     "round_bytes",
     "uses_global_base",
 ]
@@ -166,11 +168,22 @@ def local_start_bytes(W: int, E: int) -> float:
     return reduce * (W * E * 4 + (PRICE_UPDATES - 1) * chain_values(E) * 4)
 
 
+def header_bytes(W: int) -> float:
+    """Bytes one rank receives in the header (its max of 16 + 3W float64, a ring all-reduce)."""
+    return 2 * (W - 1) / W * (16 + 3 * W) * 8
+
+
+def rerun_s(lay: Layout, bw: float) -> float:
+    """Seconds of an activation-checkpointing re-run of one layer: its header alone, which
+    agrees that every rank takes the routes its forward kept (`GroupBalance`)."""
+    return ROUND_LATENCY_S + header_bytes(lay.ep) / bw
+
+
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
     """Bytes one rank receives in one solve of one layer."""
     W, E = lay.ep, cfg.moe.num_experts
     reduce = 2 * (W - 1) / W  # a ring all-reduce receives about twice the buffer
-    header = reduce * (16 + 3 * W) * 8
+    header = header_bytes(W)
     prices = PRICE_UPDATES * reduce * chain_values(E) * 4
     pairs = pair_rounds(cfg, lay, tokens)
     pair_counts = reduce * (pair_bytes(E) + (E + 1) * 8) if pairs else 0  # and the max (one try)

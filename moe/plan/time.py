@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .attention import AttentionShape
-from .base_time import ROUND_LATENCY_S, global_base_bytes, global_base_s, round_bytes, uses_global_base
+from .base_time import global_base_bytes, global_base_s, header_bytes, rerun_s, round_bytes, uses_global_base
 from .dispatch_time import chunk_latency_s, ep_layer, ep_ranks_per_node, exchange_s, exposed, fixed_latency_s
 from .dualpipev import bubble_fraction
 from .hardware import EFFICIENCY, GPU, Efficiency
@@ -144,10 +144,10 @@ def step_time(
         ep_layer_s = forwards * exposed(pair_s, experts_s, lay.chunks) + exposed(pair_s, 2 * experts_s, lay.chunks)
         ep_hidden_layer_s = (forwards + 1) * pair_s - ep_layer_s
         ep_layer_s += fixed_s
-        if uses_global_base(cfg, lay):  # a solve per forward; a recomputed forward takes its routes
-            bw = _group_bw(gpu, eff, lay.ep * lay.tp, gpn)  # (`GroupBalance`): the agreeing exchange alone
-            base_layer_s = global_base_s(cfg, lay, T, bw, gpu.hbm_bw * eff.hbm) + (forwards - 1) * ROUND_LATENCY_S
-            base_layer_b = global_base_bytes(cfg, lay, T) + (forwards - 1) * 8 * lay.ep
+        if uses_global_base(cfg, lay):  # a solve per forward; a recomputed forward's re-run takes its routes
+            bw = _group_bw(gpu, eff, lay.ep * lay.tp, gpn)
+            base_layer_s = global_base_s(cfg, lay, T, bw, gpu.hbm_bw * eff.hbm) + (forwards - 1) * rerun_s(lay, bw)
+            base_layer_b = global_base_bytes(cfg, lay, T) + (forwards - 1) * header_bytes(lay.ep)
             base_round = round_bytes(bw)
 
     # per micro-batch time of each pipeline rank (all its virtual stages); the slowest sets the pace

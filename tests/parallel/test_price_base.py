@@ -2,6 +2,9 @@
 process against the single-process solve of the stacked problem (and scipy on small cases),
 then the same code over gloo against the gathered path."""
 
+import contextlib
+import dataclasses
+import importlib
 import math
 from unittest import mock
 
@@ -1072,6 +1075,26 @@ def test_rows_sent_ahead_cost_at_most_their_share_of_a_round():
     assert price_rows.ahead_rows(1.25e6, 8, 24, 8) == 1626 and price_rows.ahead_rows(1e6, 8, 7, 8) == 4462
 
 
+def test_the_header_carries_each_ranks_tag_and_a_solve_can_take_it():
+    """`agree`, the header run by a caller first (`GroupBalance`, with its ranks' re-run codes as
+    tags): the tags come back in rank order, and a solve given it runs no header of its own,
+    with the same collectives (the header counted with them), prices and assignment as one that
+    agrees itself. A header agreed on other options, or with a failed rank, is refused."""
+    sizes = [10, 0, 20]
+    x = make_scores(3, sum(sizes), 6, "gauss")
+    red = ShardReduce(3)
+    header = price_base.agree(split(x, sizes), 2, red, tags=[2, 0, 5])
+    assert header.tags == [2, 0, 5] and header.sizes == sizes and not header.failed
+    got, p, stats = price_balanced_assignment(split(x, sizes), 2, red, header=header)
+    ref, p_ref, ref_stats = price_balanced_assignment(split(x, sizes), 2, ShardReduce(3))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)) and torch.equal(p, p_ref)
+    assert stats.log == ref_stats.log and red.rounds == ref_stats.rounds, (stats.log, ref_stats.log)
+    with pytest.raises(ValueError, match="other options"):
+        price_balanced_assignment(split(x, sizes), 2, red, header=header, round_bytes=1e6)
+    with pytest.raises(ValueError, match=r"ranks \[1\] of the group failed"):
+        price_balanced_assignment(split(x, sizes), 2, red, header=dataclasses.replace(header, failed=[1]))
+
+
 def test_bad_input_on_one_rank_raises_for_all():
     x = make_scores(0, 20, 4, "gauss")
     parts = split(x, [10, 10])
@@ -1215,6 +1238,31 @@ def in_a_backward(fn):
     return out[0]
 
 
+@contextlib.contextmanager
+def count_collectives():
+    """Yields a list that holds, on exit, how many collectives ran (the torch.distributed ones
+    the package calls, and the functional all-to-all)."""
+    names = ("all_reduce", "all_to_all_single", "all_gather", "all_gather_into_tensor", "broadcast")
+    count = [0]
+
+    def counted(fn):
+        def run(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    out = []
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(dist, name, counted(getattr(dist, name))))
+        functional = importlib.import_module("moe.parallel.all_to_all")  # the module, not the function
+        fn = functional.all_to_all_single_autograd
+        stack.enter_context(mock.patch.object(functional, "all_to_all_single_autograd", counted(fn)))
+        yield out
+    out.append(count[0])
+
+
 def check_reruns(group, world: int) -> None:
     """Re-runs after three micro-batches' forwards (a pipeline schedule's order) route as their
     forwards: in the first step solved again from each forward's own start, in the second from
@@ -1226,6 +1274,11 @@ def check_reruns(group, world: int) -> None:
     balance = GroupBalance(group, balanced_assignment)
     gen = torch.Generator().manual_seed(7)
     tied = [torch.randint(0, 3, (20 + 7 * me + m, 8), generator=gen).float() for m in range(3)]
+    # a call's collectives are the solve's: the header carries the tags (and failure notices)
+    with count_collectives() as calls:
+        balance(tied[0], 2)
+    assert calls == [balance.stats.rounds] and balance.stats.log[0][0] == "max", (calls, balance.stats.log[:1])
+    balance = GroupBalance(group, balanced_assignment)
     wrapped = mock.patch("moe.parallel.global_base.price_balanced_assignment", wraps=price_balanced_assignment)
     for step in range(2):
         with wrapped as solve:
