@@ -101,3 +101,30 @@ def run_meta(module: str, argv: list[str] | None, device: torch.device | None = 
 def status_kib(field: str) -> int:
     """A field of this process's ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``); Linux only."""
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Yields a one-item list whose item counts the collectives run inside the block so far (the
+    torch.distributed ones the package calls, and its functional all-to-all)."""
+    import importlib
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    count = [0]
+
+    def counted(fn):
+        def run(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    functional = importlib.import_module("moe.parallel.all_to_all")  # the module, not the function
+    with contextlib.ExitStack() as stack:
+        for name in ("all_reduce", "all_to_all_single", "all_gather", "all_gather_into_tensor", "broadcast"):
+            stack.enter_context(mock.patch.object(dist, name, counted(getattr(dist, name))))
+        fn = functional.all_to_all_single_autograd
+        stack.enter_context(mock.patch.object(functional, "all_to_all_single_autograd", counted(fn)))
+        yield count

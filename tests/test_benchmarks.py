@@ -452,6 +452,23 @@ def test_global_base_ranks_time_each_rank_over_gloo_on_the_simulated_solves():
     assert not global_base_ranks.summary([rows[0] | dict(equal=False)])[0]["equal"]
 
 
+def test_base_reruns_count_each_calls_collectives_and_check_the_routes():
+    """W = 2 gloo processes, two checkpointed micro-batches a step with tied scores: each
+    forward's collectives are its solve's (at least the header, the updates and a check); the
+    first step's re-runs solve from their forwards' starts, the second's take their routes in
+    one collective; every re-run routes as its forward."""
+    import argparse
+
+    from benchmarks import base_reruns
+
+    args = argparse.Namespace(micro_batches=2, steps=2, tokens=24, dim=8, experts=4, k=2, tie=True)
+    rows = base_reruns.run(2, args)
+    assert [r[0] for r in rows] == [0, 1] and all(r[3] for r in rows)
+    (_, forwards0, reruns0, _), (_, forwards1, reruns1, _) = rows
+    assert len(forwards0) == len(reruns0) == 2 and min(forwards0 + forwards1 + reruns0) >= 4
+    assert reruns1 == [1, 1]
+
+
 def test_node_bytes_count_what_crosses_between_nodes(capsys):
     """The inter-node counts follow the uniform expectation without a node limit, the node limit
     caps the nodes a token reaches at M, and deduplication halves the top-8 bytes under M=4."""

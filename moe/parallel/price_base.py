@@ -9,11 +9,13 @@ The problem is the one `moe.routing.balanced.balanced_assignment` solves on the 
 the same jitter at the same global token index), the same capacities and ``extras`` rule, the
 same exchange cycles and certificate. Each rank keeps its rows; per call they agree on:
 
-1. a header (one max of 16 + 3W values): shapes, dtypes, the options that decide which
-   collectives run (``round_bytes``, ``prices`` given or not, ``local_start``,
-   ``max_price_iters``, ``extras``, ``eps``, ``max_cycles``), which ranks' scores are invalid
-   or not finite, the token counts, the scale. A bad input or differing options on one rank
-   raise on every rank;
+1. a header (`agree`, one max of 16 + 3W values): shapes, dtypes, the options that decide
+   which collectives run (``round_bytes``, ``prices`` given or not, ``local_start``,
+   ``max_price_iters``, ``extras``, ``eps``, ``max_cycles``), each rank's status (its scores
+   invalid, its failure before the solve, or a caller's tag), which ranks' scores are not
+   finite, the token counts, the scale. A bad input or differing options on one rank raise on
+   every rank. A caller may run it first (`GroupBalance`: its layer's only status collective
+   before routing) and pass it in;
 2. the prices: from a previous call's, or, without them, from a local start: every rank solves
    its own tokens alone (no collective) and one gather of W x E float32 gives every rank the
    per-expert median of those prices (a rank's tokens are a sample of the group's; the median

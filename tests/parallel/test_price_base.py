@@ -2,9 +2,7 @@
 process against the single-process solve of the stacked problem (and scipy on small cases),
 then the same code over gloo against the gathered path."""
 
-import contextlib
 import dataclasses
-import importlib
 import math
 from unittest import mock
 
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from benchmarks.common import count_collectives
 from moe.parallel import price_base, price_certificate, price_margin, price_prices, price_rows
 from moe.parallel.global_base import GroupBalance
 from moe.parallel.price_base import price_balanced_assignment
@@ -1236,31 +1235,6 @@ def in_a_backward(fn):
 
     Rerun.apply(torch.ones(1, requires_grad=True)).sum().backward()
     return out[0]
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Yields a list that holds, on exit, how many collectives ran (the torch.distributed ones
-    the package calls, and the functional all-to-all)."""
-    names = ("all_reduce", "all_to_all_single", "all_gather", "all_gather_into_tensor", "broadcast")
-    count = [0]
-
-    def counted(fn):
-        def run(*args, **kwargs):
-            count[0] += 1
-            return fn(*args, **kwargs)
-
-        return run
-
-    out = []
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            stack.enter_context(mock.patch.object(dist, name, counted(getattr(dist, name))))
-        functional = importlib.import_module("moe.parallel.all_to_all")  # the module, not the function
-        fn = functional.all_to_all_single_autograd
-        stack.enter_context(mock.patch.object(functional, "all_to_all_single_autograd", counted(fn)))
-        yield out
-    out.append(count[0])
 
 
 def check_reruns(group, world: int) -> None:
