@@ -132,7 +132,7 @@ class MoEFeedForward(Module):
         except ValueError as err:
             if self.balance is None:
                 raise
-            self.balance.relay(err)  # the other ranks wait in the size exchange: they raise too
+            self.balance.relay(err)  # the other ranks wait in the global solve's header: they raise too
         loss = aux_loss(self.moe)  # this call's router losses (zero without coefficients)
         if loss.requires_grad and torch.is_grad_enabled():
             y = _AttachLoss.apply(y, loss, self.aux_loss_scale)
@@ -259,7 +259,6 @@ def _balance_globally(ff: MoEFeedForward, mesh, method: str = "prices") -> None:
     balance = layer.router.assign = GroupBalance.around(layer.router, group, method)
     if layer.parallel is not None:
         balance.agreement = layer.parallel.agreement
-        layer.parallel.agreement.global_balance = balance
     else:
         ff.balance = balance.agreement = _GlobalBalance(balance, torch.device(mesh.device_type))
 

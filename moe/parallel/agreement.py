@@ -125,7 +125,8 @@ class Agreement:
         self.device = torch.device(mesh.device_type)
         self.ahead: list[str] = []  # status collectives still to run in this forward
         # the "global" stage's `GroupBalance` (global BASE's, over the ep group or a larger one:
-        # the torchtitan adapter's, over every data-parallel rank), set with it
+        # the torchtitan adapter's, over every data-parallel rank), set by the dispatcher when a
+        # forward starts with that stage
         self.global_balance = None
         # values each rank sends every rank in the count exchange: the flat dispatcher's rows per
         # local expert, unless the dispatcher exchanges other counts (the two-level one's)

@@ -222,7 +222,6 @@ def parallelize_moe(
             method = "gather" if global_base == "gather" else "prices"
             layer.router.assign = GroupBalance.around(layer.router, dispatcher.ep_group, method)
             layer.router.assign.agreement = dispatcher.agreement
-            dispatcher.agreement.global_balance = layer.router.assign
         elif static_splits and isinstance(layer.router, BaseRouter):
             layer.router.sync_free = True  # with the approx solver the static path reads nothing back
         if isinstance(layer.router, TopKRouter):

@@ -94,6 +94,7 @@ class FlatDispatcher(Dispatcher):
             stages += [] if in_backward() else ["bias"]  # a checkpointing re-run moves no bias
         if isinstance(router, BaseRouter) and router.training and isinstance(router.assign, GroupBalance):
             stages.append("global")
+            self.agreement.global_balance = router.assign  # whose first collective carries the notices
         return [*stages, "static" if self._static(router) else "counts"]
 
     def check_input(self, layer: MoE, x: Tensor, seq_len: int | None = None) -> None:

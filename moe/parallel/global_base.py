@@ -5,6 +5,8 @@ Legend: T tokens on this rank, E experts, K slots per token.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import warnings
 from dataclasses import dataclass
 
@@ -25,29 +27,34 @@ __all__ = ["GroupBalance", "METHODS"]
 METHODS = ("prices", "gather")
 # forwards a re-run can find: more than the micro-batches a pipeline schedule keeps in flight
 KEEP = 256
-# what a rank tells the group in the solve's header (its tag): a forward, or a re-run that
-# found nothing, its forward's start, or its forward's routes
-_FORWARD, _MISS, _START, _ROUTES = range(4)
+# the newest forwards that keep their routes (older ones their start alone: their re-runs solve)
+KEEP_ROUTES = 64
+_HASH_BITS = 50  # a rank's fingerprint in the header's float64 slot, with the re-run bit
 
 
-@dataclass
+@dataclass(eq=False)
 class _Forward:
     """What a forward of the price method leaves for its activation-checkpointing re-run."""
 
-    key: tuple[int, ...]  # `_fingerprint` of its scores
+    key: tuple[int, ...]  # every rank's `_fingerprint` of its scores, in group order: the same on every rank
     start: Tensor | None  # the prices it started from (the same on every rank)
     routes: Tensor | None  # its (T, K) experts in the narrowest integer type, once re-runs are seen
 
 
-def _fingerprint(scores_TE: Tensor) -> tuple[int, ...]:
-    """The shape and two integer sums of the scores' bits (one plain, one weighted by position):
-    a re-run's recomputed scores are the forward's bit for bit. Integer sums wrap the same in
-    any order, so the key does not depend on how the device reduces (one host sync)."""
-    flat = scores_TE.detach().contiguous().view(-1)
-    bits = flat.view({1: torch.uint8, 2: torch.int16}.get(flat.element_size(), torch.int32)).to(torch.int64)
-    weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device).mul_(2).add_(1)
-    sums = torch.stack([bits.sum(), (bits * weights).sum()])
-    return (*scores_TE.shape, *sums.tolist())
+def _fingerprint(scores_TE: Tensor, k: int) -> int:
+    """A `_HASH_BITS`-bit hash of k, the shape and three integer sums of the scores' bits (all
+    of them; by row, weighted by the row's place; by column, likewise): a re-run's recomputed
+    scores are the forward's bit for bit. Integer sums wrap the same in any order, so it does not
+    depend on how the device reduces. Two passes over the scores, no (T, E) temporary, one host
+    sync."""
+    x = scores_TE.detach().contiguous()
+    dtype = {1: torch.uint8, 2: torch.int16}.get(x.element_size(), torch.int32)
+    bits = x.view(dtype).reshape(x.shape[0], x.shape[1] * x.element_size() // dtype.itemsize)
+    rows, cols = bits.sum(dim=1, dtype=torch.int64), bits.sum(dim=0, dtype=torch.int64)
+    place = [torch.arange(n, dtype=torch.int64, device=x.device).mul_(2).add_(1) for n in (rows.numel(), cols.numel())]
+    sums = torch.stack([rows.sum(), (rows * place[0]).sum(), (cols * place[1]).sum()]).tolist()
+    digest = hashlib.blake2b(struct.pack("<6q", k, *x.shape, *sums), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - _HASH_BITS)
 
 
 def _narrow(idx_TK: Tensor, num_experts: int) -> Tensor:
@@ -81,7 +88,7 @@ class GroupBalance:
         self._start: Tensor | None = None  # what the last forward started from
         self._kept: list[_Forward] = []  # the last `KEEP` forwards, for their re-runs (oldest first)
         self._reruns = False  # a re-run has come: forwards keep their routes
-        self.stats = None  # the last call's `PriceStats`
+        self.stats = None  # the last solve's `PriceStats` (a re-run that takes its routes solves none)
 
     @classmethod
     def around(cls, router, group, method: str = "prices") -> GroupBalance:
@@ -121,47 +128,47 @@ class GroupBalance:
     def _by_prices(self, scores_TE: Tensor, k: int, options: dict) -> Tensor:
         """The solve's header is the "global" stage: it carries each rank's failure notice and
         its tag, so a call takes no round beside the solve's. An activation-checkpointing re-run
-        routes as its forward did, whatever ran between them (a pipeline schedule runs several
-        micro-batches' forwards before their backwards): it finds its forward by its scores'
-        fingerprint, and takes the forward's routes where every rank kept them (no more
-        rounds), else solves again from the forward's start; the tags agree on which."""
+        routes as its forward did, whatever ran between them and in whatever order the re-runs
+        come (a pipeline schedule runs several micro-batches' forwards before their backwards;
+        one backward of summed losses re-runs them last first): each rank's tag is its scores'
+        fingerprint and whether it re-runs, so every rank reads the group's fingerprints and
+        finds the same kept forward by them. A re-run takes that forward's routes where it kept
+        them (no more rounds), else solves again from its start."""
         rerun = in_backward()
-        key = (k, *_fingerprint(scores_TE))
-        found = next((f for f in self._kept if f.key == key), None) if rerun else None
-        code = _FORWARD if not rerun else _MISS if found is None else _START if found.routes is None else _ROUTES
         kwargs = {key: options[key] for key in ("extras", "eps", "max_cycles") if key in options}
         red = GroupReduce(self.group)
+        tag = 2 * _fingerprint(scores_TE, k) + rerun
         # declared before the start is known (alike on every rank: the same history), so the
         # solve checks the other options against the header
         given = (self._start if rerun else self.prices) is not None
         try:
-            header = agree([scores_TE], k, red, tags=[code], prices_given=given, round_bytes=self.round_bytes, **kwargs)
+            header = agree([scores_TE], k, red, tags=[tag], prices_given=given, round_bytes=self.round_bytes, **kwargs)
         finally:
             if red.rounds:  # it ran (else an option was refused first: the relay runs it)
                 self._passed()
         raise_if_peers_failed([-int(j in header.failed) for j in range(red.world)], self.group, "exchange")
-        codes = header.tags
-        if len({c == _FORWARD for c in codes}) > 1:
+        if len({t % 2 for t in header.tags}) > 1:
             ranks = dist.get_process_group_ranks(self.group)
             raise ValueError(
                 f"global BASE: the ranks {ranks} disagree on whether this call is an activation-checkpointing "
-                f"re-run (in a backward: {[c != _FORWARD for c in codes]}); they must run the same schedule"
+                f"re-run (in a backward: {[bool(t % 2) for t in header.tags]}); they must run the same schedule"
             )
+        key = tuple(t // 2 for t in header.tags)
         if rerun:
             self._reruns = True
-            if found is not None:
-                self._kept.remove(found)
-            if min(codes) == _ROUTES:
+            at = next((i for i, f in enumerate(self._kept) if f.key == key), None)
+            found = None if at is None else self._kept.pop(at)
+            if found is not None and found.routes is not None:
                 return found.routes.to(torch.int64)
-            if min(codes) == _MISS:
+            if found is None:
                 warnings.warn(
-                    "global BASE: on some rank, an activation-checkpointing re-run's scores match none of "
-                    f"the last {KEEP} forwards' (more micro-batches in flight, or scores recomputed otherwise); "
-                    "every rank solves from the last forward's start, which may route tied tokens otherwise",
+                    "global BASE: an activation-checkpointing re-run's scores match none of the last "
+                    f"{KEEP} forwards' (more micro-batches in flight, or scores recomputed otherwise); it solves "
+                    "from the last forward's start, which may route tied tokens otherwise",
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            start = self._start if min(codes) == _MISS else found.start
+            start = self._start if found is None else found.start
         else:
             start = self.prices
         if start is not None and start.numel() != scores_TE.shape[-1]:
@@ -173,4 +180,6 @@ class GroupBalance:
             self._start, self.prices = start, None if prices is None else prices.to(torch.float64).cpu()
             routes = _narrow(idx, scores_TE.shape[-1]) if self._reruns else None
             self._kept = [*self._kept[-(KEEP - 1) :], _Forward(key, start, routes)]
+            if len(self._kept) > KEEP_ROUTES:
+                self._kept[-KEEP_ROUTES - 1].routes = None
         return idx

@@ -167,6 +167,8 @@ def agree(
     _check_extras(extras)
     settings = _settings(round_bytes, local_start, prices_given, extras, max_price_iters, eps, max_cycles)
     tags = [0] * len(parts_TE) if tags is None else tags
+    if any(not isinstance(t, int) or not 0 <= t < 2**52 for t in tags):
+        raise ValueError(f"agree: tags must be ints in [0, 2^52) (exact in the header's float64), got {tags}")
     world, n_fixed = red.world, 8 + 2 * len(settings)
     rows, errors = [], {}
     for rank, scores, tag in zip(red.ranks, parts_TE, tags, strict=True):

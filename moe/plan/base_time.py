@@ -72,6 +72,7 @@ STALLED = False  # the updates stall (a trained router's scores): the pair round
 ROUND_LATENCY_S = 50e-6
 PASSES = 2 * PRICE_UPDATES + 4  # a histogram pass and a pick per update, the normalisation, the margin
 LOCAL_SOLVE_PASSES = 2 * MAX_ITERS + 4  # a rank's cold solve of its own tokens: `balanced_prices`' updates and 4 more
+FINGERPRINT_PASSES = 2  # `GroupBalance`'s fingerprint of the scores: their row and column sums
 
 
 def uses_global_base(cfg: LlamaConfig, lay: Layout) -> bool:
@@ -173,10 +174,11 @@ def header_bytes(W: int) -> float:
     return 2 * (W - 1) / W * (16 + 3 * W) * 8
 
 
-def rerun_s(lay: Layout, bw: float) -> float:
-    """Seconds of an activation-checkpointing re-run of one layer: its header alone, which
-    agrees that every rank takes the routes its forward kept (`GroupBalance`)."""
-    return ROUND_LATENCY_S + header_bytes(lay.ep) / bw
+def rerun_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw: float) -> float:
+    """Seconds of an activation-checkpointing re-run of one layer: the scores' fingerprint and
+    the header, which agrees that every rank takes the routes its forward kept (`GroupBalance`)."""
+    local = FINGERPRINT_PASSES * tokens * cfg.moe.num_experts * 4 / hbm_bw
+    return ROUND_LATENCY_S + header_bytes(lay.ep) / bw + local
 
 
 def global_base_bytes(cfg: LlamaConfig, lay: Layout, tokens: int) -> float:
@@ -197,6 +199,6 @@ def global_base_s(cfg: LlamaConfig, lay: Layout, tokens: int, bw: float, hbm_bw:
     pairs = pair_rounds(cfg, lay, tokens)
     rounds = PRICE_UPDATES + 1 + margin(cfg, lay, tokens)[0] + certificate(cfg, lay, tokens)[0]
     rounds += PAIR_TRY_ROUNDS if pairs else 0
-    passes = PASSES + (PAIR_ROUNDS if pairs else 0) + LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES
+    passes = PASSES + (PAIR_ROUNDS if pairs else 0) + LOCAL_SOLVE_PASSES + 2 * PRICE_UPDATES + FINGERPRINT_PASSES
     local = passes * tokens * cfg.moe.num_experts * 4 / hbm_bw
     return rounds * ROUND_LATENCY_S + global_base_bytes(cfg, lay, tokens) / bw + local

@@ -146,7 +146,8 @@ def step_time(
         ep_layer_s += fixed_s
         if uses_global_base(cfg, lay):  # a solve per forward; a recomputed forward's re-run takes its routes
             bw = _group_bw(gpu, eff, lay.ep * lay.tp, gpn)
-            base_layer_s = global_base_s(cfg, lay, T, bw, gpu.hbm_bw * eff.hbm) + (forwards - 1) * rerun_s(lay, bw)
+            hbm = gpu.hbm_bw * eff.hbm
+            base_layer_s = global_base_s(cfg, lay, T, bw, hbm) + (forwards - 1) * rerun_s(cfg, lay, T, bw, hbm)
             base_layer_b = global_base_bytes(cfg, lay, T) + (forwards - 1) * header_bytes(lay.ep)
             base_round = round_bytes(bw)
 

@@ -53,7 +53,7 @@ def parallel_and_reference(case: str, mesh, **options):
 
 def check_router_collectives(mesh) -> None:
     """NaN on one rank where the router itself communicates before the dispatch: the top-k bias
-    all-reduce, global BASE's size exchange. The bias moves on no rank."""
+    all-reduce, global BASE's header. The bias moves on no rank."""
     rank = dist.get_rank()
     for case, options, tokens in (
         ("topk-bias", {}, [5, 4]),

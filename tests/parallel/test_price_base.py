@@ -1242,8 +1242,9 @@ def check_reruns(group, world: int) -> None:
     forwards: in the first step solved again from each forward's own start, in the second from
     the routes the forwards kept, with no solve. The scores tie (integers), so the last forward's
     start, the rule before, routes some otherwise. Scores no forward had: a warning, and a solve
-    from the last forward's start, on every rank where one rank has none. Ranks that disagree on
-    re-running: every rank raises."""
+    from the last forward's start, on every rank where one rank has none. Re-runs last first,
+    with a rank without tokens: each finds its own forward. Ranks that disagree on re-running:
+    every rank raises."""
     me = dist.get_rank(group)
     balance = GroupBalance(group, balanced_assignment)
     gen = torch.Generator().manual_seed(7)
@@ -1266,6 +1267,15 @@ def check_reruns(group, world: int) -> None:
         else:
             assert reruns == [], step
         assert balance._kept == [], step  # each re-run takes its forward's entry
+    # re-runs last first (one backward of summed losses), rank 0 without tokens in both
+    # micro-batches and rank 1 with the same scores in both (W > 2): the group's fingerprints
+    # find each re-run's own forward on every rank
+    reverse = GroupBalance(group, balanced_assignment)
+    pair = [torch.zeros(0, 8)] * 2 if me == 0 else [tied[0]] * 2 if me == 1 and world > 2 else tied[:2]
+    for step in range(2):
+        routes2 = [reverse(s, 2) for s in pair]
+        again = in_a_backward(lambda: [reverse(s, 2) for s in reversed(pair)])[::-1]
+        assert all(torch.equal(a, b) for a, b in zip(again, routes2, strict=True)), (step, me)
     others = sum(
         not torch.equal(price_balanced_assignment([s], 2, GroupReduce(group), prices=starts[-1])[0][0], r)
         for s, r in zip(tied[:2], routes[:2], strict=True)
