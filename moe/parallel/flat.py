@@ -94,7 +94,6 @@ class FlatDispatcher(Dispatcher):
             stages += [] if in_backward() else ["bias"]  # a checkpointing re-run moves no bias
         if isinstance(router, BaseRouter) and router.training and isinstance(router.assign, GroupBalance):
             stages.append("global")
-            self.agreement.global_balance = router.assign  # whose first collective carries the notices
         return [*stages, "static" if self._static(router) else "counts"]
 
     def check_input(self, layer: MoE, x: Tensor, seq_len: int | None = None) -> None:
@@ -109,6 +108,8 @@ class FlatDispatcher(Dispatcher):
             ) from self._broken
         stages = self._stages(layer)
         self.agreement.start(stages)
+        if "global" in stages:  # the `GroupBalance` whose first collective carries the notices
+            self.agreement.global_balance = layer.router.assign
         self._seq_len = seq_len
         cfg = layer.config
         err = input_error(x, cfg.dim, self.compute_dtype or layer.experts.w1.dtype, self.device.type)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import warnings
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,7 @@ class GroupBalance:
         self.agreement = None  # the layer's `Agreement`, told when the exchange has run
         self.prices: Tensor | None = None  # (E,) the last call's, the next call's start
         self._start: Tensor | None = None  # what the last forward started from
-        self._kept: list[_Forward] = []  # the last `KEEP` forwards, for their re-runs (oldest first)
+        self._kept: deque[_Forward] = deque(maxlen=KEEP)  # the last forwards, for their re-runs (oldest first)
         self._reruns = False  # a re-run has come: forwards keep their routes
         self.stats = None  # the last solve's `PriceStats` (a re-run that takes its routes solves none)
 
@@ -156,8 +157,9 @@ class GroupBalance:
         key = tuple(t // 2 for t in header.tags)
         if rerun:
             self._reruns = True
-            at = next((i for i, f in enumerate(self._kept) if f.key == key), None)
-            found = None if at is None else self._kept.pop(at)
+            found = next((f for f in self._kept if f.key == key), None)
+            if found is not None:
+                self._kept.remove(found)  # by identity (`_Forward` compares as objects)
             if found is not None and found.routes is not None:
                 return found.routes.to(torch.int64)
             if found is None:
@@ -179,7 +181,7 @@ class GroupBalance:
         if not rerun:
             self._start, self.prices = start, None if prices is None else prices.to(torch.float64).cpu()
             routes = _narrow(idx, scores_TE.shape[-1]) if self._reruns else None
-            self._kept = [*self._kept[-(KEEP - 1) :], _Forward(key, start, routes)]
+            self._kept.append(_Forward(key, start, routes))
             if len(self._kept) > KEEP_ROUTES:
                 self._kept[-KEEP_ROUTES - 1].routes = None
         return idx

@@ -110,6 +110,7 @@ class PriceStats:
 # each rank's status in the header, in its own slot (so the max is every rank's): its scores
 # invalid, it failed before the solve (`fail_agreement`), or fine with the caller's tag
 _INVALID, _FAILED, _TAGGED = 1, 2, 3
+_N_FIXED = 16  # the header's values before its three blocks of W: E, k, dtype, scale, 4 settings (each +-)
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,10 @@ class Header:
     half: float  # half the largest per-token range
     dtype: torch.dtype  # the solve's
     settings: tuple[float, ...]  # the options that decide which collectives run (`_settings`)
+    prices_given: bool  # as declared in them
     tags: list[int]  # every rank's tag (0 where the caller gave none)
     failed: list[int]  # the group ranks that failed before the solve; where any, nothing else is read
-    since: tuple[int, int, int] = (0, 0, 0)  # the reduction's rounds, values and bytes before it
+    since: tuple[int, int, int]  # the reduction's rounds, values and bytes before it
 
 
 def _settings(round_bytes, local_start, prices_given, extras, max_price_iters, eps, max_cycles) -> tuple[float, ...]:
@@ -136,13 +138,6 @@ def _settings(round_bytes, local_start, prices_given, extras, max_price_iters, e
     iters = -1 if max_price_iters is None else max_price_iters
     options = int(local_start) + 2 * bool(prices_given) + 4 * (extras == "lowest") + 8 * (iters + 1)
     return (float(round_bytes), float(options), float(eps), float(-1 if max_cycles is None else max_cycles))
-
-
-def _without_prices_flag(settings: tuple[float, ...]) -> tuple[float, ...]:
-    """The settings without the digit of ``prices`` given or not (a caller of `agree` keeps
-    the prices alike itself, and may declare them before it knows them)."""
-    options = int(settings[1])
-    return (settings[0], float(options - 2 * (options >> 1 & 1)), *settings[2:])
 
 
 def agree(
@@ -169,7 +164,7 @@ def agree(
     tags = [0] * len(parts_TE) if tags is None else tags
     if any(not isinstance(t, int) or not 0 <= t < 2**52 for t in tags):
         raise ValueError(f"agree: tags must be ints in [0, 2^52) (exact in the header's float64), got {tags}")
-    world, n_fixed = red.world, 8 + 2 * len(settings)
+    world, n_fixed = red.world, _N_FIXED
     rows, errors = [], {}
     for rank, scores, tag in zip(red.ranks, parts_TE, tags, strict=True):
         h = torch.zeros(n_fixed + 3 * world, dtype=torch.float64)
@@ -196,27 +191,28 @@ def agree(
         rows.append(h)
     device = next((p.device for p in parts_TE if isinstance(p, Tensor)), torch.device("cpu"))
     since = (red.rounds, red.values, red.bytes)
-    header = _read(red.max([h.to(device) for h in rows]).cpu(), world, n_fixed, errors, settings)
-    return dataclasses.replace(header, since=since)
+    agreed = Header([], 0.0, 0.0, torch.float32, settings, prices_given, [], [], since)
+    return _read(red.max([h.to(device) for h in rows]).cpu(), world, errors, agreed)
 
 
-def fail_agreement(red: Reduction, device: torch.device, num_settings: int = 4) -> None:
+def fail_agreement(red: Reduction, device: torch.device) -> None:
     """A rank that failed before the solve: the header's max with its slot marked failed, so
     every other rank raises there instead of waiting in the solve's next collective."""
-    world, n_fixed = red.world, 8 + 2 * num_settings
     rows = []
     for rank in red.ranks:
-        h = torch.zeros(n_fixed + 3 * world, dtype=torch.float64, device=device)
-        h[n_fixed + rank] = _FAILED
+        h = torch.zeros(_N_FIXED + 3 * red.world, dtype=torch.float64, device=device)
+        h[_N_FIXED + rank] = _FAILED
         rows.append(h)
     red.max(rows)
 
 
-def _read(out: Tensor, world: int, n_fixed: int, errors: dict, settings: tuple[float, ...]) -> Header:
+def _read(out: Tensor, world: int, errors: dict, agreed: Header) -> Header:
+    """``agreed`` (this rank's settings and counts) with what the header's max ``out`` says."""
+    n_fixed = _N_FIXED
     status, sizes, nonfinite = (out[n_fixed + i * world : n_fixed + (i + 1) * world] for i in range(3))
     failed = (status == _FAILED).nonzero().flatten().tolist()
     if failed:
-        return Header([], 0.0, 0.0, torch.float32, settings, [], failed)
+        return dataclasses.replace(agreed, failed=failed)
     bad = status == _INVALID
     if bad.any():
         if errors:
@@ -238,7 +234,8 @@ def _read(out: Tensor, world: int, n_fixed: int, errors: dict, settings: tuple[f
         raise ValueError(f"scores must be finite: found NaN or Inf on ranks {nonfinite.nonzero().flatten().tolist()}")
     dtype = {v: d for d, v in _DTYPES.items()}[int(out[4])]
     tags = [int(v) - _TAGGED for v in status.tolist()]
-    return Header([int(n) for n in sizes.tolist()], float(out[6]), float(out[7]), dtype, settings, tags, [])
+    sizes = [int(n) for n in sizes.tolist()]
+    return dataclasses.replace(agreed, sizes=sizes, big=float(out[6]), half=float(out[7]), dtype=dtype, tags=tags)
 
 
 def _normalise(parts_TE, red, sizes, big, half, dtype, jitter) -> tuple[list[Tensor], list[int], float]:
@@ -330,8 +327,9 @@ def price_balanced_assignment(
         header = agree(parts_TE, k, red, prices_given=prices is not None, **options)
     else:
         _check_extras(extras)
-        mine = _settings(round_bytes, local_start, prices is not None, extras, max_price_iters, eps, max_cycles)
-        if _without_prices_flag(mine) != _without_prices_flag(header.settings):
+        # prices given or not as the header declared them: its caller keeps them alike itself
+        mine = _settings(round_bytes, local_start, header.prices_given, extras, max_price_iters, eps, max_cycles)
+        if mine != header.settings:
             raise ValueError("price_balanced_assignment: the header was agreed on other options than this call's")
     if header.failed:
         raise ValueError(f"ranks {header.failed} of the group failed before the solve (see their errors)")

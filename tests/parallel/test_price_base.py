@@ -1266,7 +1266,7 @@ def check_reruns(group, world: int) -> None:
             assert len(reruns) == 3 and all(a is b for a, b in zip(reruns, starts, strict=True)), step
         else:
             assert reruns == [], step
-        assert balance._kept == [], step  # each re-run takes its forward's entry
+        assert len(balance._kept) == 0, step  # each re-run takes its forward's entry
     # re-runs last first (one backward of summed losses), rank 0 without tokens in both
     # micro-batches and rank 1 with the same scores in both (W > 2): the group's fingerprints
     # find each re-run's own forward on every rank
