@@ -16,6 +16,9 @@ goals are stated in: ours / torchtitan, ours / Megatron, ours / the dense-equiva
   and `ours BASE` with the exact balanced assignment (no peer has it: compare with the floor);
   `ours whole-row` is `ours` with its SwiGLU experts always in the whole-row form (three
   `grouped_mm` over all rows), never one expert at a time (`moe.kernels.expert_ffn`);
+  `ours 2 GiB kept` (run only when named in --only) is `ours` with kept memory of its own,
+  limited to 2 GiB (the limit's default before it was a quarter of the machine's memory:
+  `moe.kernels.workspace`);
 - torchtitan 0.3's `MoE` (softmax top-K, `route_norm`, its grouped experts);
 - Megatron-core 0.16's `MoELayer` (softmax top-K, all-gather dispatcher, SequentialMLP: its
   GroupedMLP needs the grouped_gemm package) through the test-only CPU shims;
@@ -31,6 +34,7 @@ makes and frees fresh memory before every step, as the rest of a model would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -72,6 +76,33 @@ def _ours_whole_row(d, f, e, k):
             expert_ffn.DTYPES = kept
 
     return whole_row, layer
+
+
+@contextlib.contextmanager
+def _own_kept(pool, limit: int):
+    """The calls inside run with ``pool`` as this thread's kept blocks of `moe.kernels.workspace`
+    and ``limit`` as its limit (the module's per-thread state, swapped in and back), so one
+    contender's kept memory is not another's."""
+    from moe.kernels import workspace
+
+    saved = workspace._local.__dict__.get("kept"), workspace._limit[0]
+    workspace._local.kept, workspace._limit[0] = pool, limit
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            del workspace._local.kept
+        else:
+            workspace._local.kept = saved[0]
+        workspace._limit[0] = saved[1]
+
+
+def _ours_kept(d, f, e, k, limit: int = 2 << 30):
+    from moe.kernels import workspace
+
+    run, layer = _ours(d, f, e, k)
+    pool = workspace._Kept()
+    return run, layer, lambda: _own_kept(pool, limit)
 
 
 def _titan(d, f, e, k):
@@ -129,12 +160,24 @@ CONTENDERS = {
     "ours": _ours,
     "ours BASE": lambda d, f, e, k: _ours(d, f, e, k, router="base"),
     "ours whole-row": _ours_whole_row,
+    "ours 2 GiB kept": _ours_kept,
     "torchtitan": _titan,
     "Megatron": _megatron,
     "Mixtral eager": lambda d, f, e, k: _mixtral(d, f, e, k, "eager"),
     "Mixtral grouped_mm": lambda d, f, e, k: _mixtral(d, f, e, k, "grouped_mm"),
     DENSE: _dense,
 }
+OPT_IN = {"ours 2 GiB kept"}  # run only when --only names them
+
+
+def _chosen(name: str, only) -> bool:
+    return name in only if only else name not in OPT_IN
+
+
+def _make(make, d, f, e, k):
+    """A contender's (run, module, scope): ``scope()`` is a context for its whole step."""
+    made = make(d, f, e, k)
+    return (*made, contextlib.nullcontext)[:3]
 
 
 def _touch(mib: int):
@@ -145,17 +188,22 @@ def _touch(mib: int):
     return lambda: torch.ones(mib << 18).add_(1.0)  # float32: 2**18 numbers a MiB
 
 
+def _step(scope, run, module, x, backward_range=None) -> None:
+    with scope():
+        train_step(run, module, x, backward_range)
+
+
 def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32, apart=False, touch=0):
     torch.manual_seed(0)
     x = torch.randn(t, d, device=device, dtype=dtype)
     fns = {}
     for name, make in CONTENDERS.items():
-        if only and name not in only:
+        if not _chosen(name, only):
             continue
         try:
-            run, module = make(d, f, e, k)
+            run, module, scope = _make(make, d, f, e, k)
             module.to(device, dtype)
-            fns[name] = lambda run=run, module=module: train_step(run, module, x)
+            fns[name] = lambda run=run, module=module, scope=scope: _step(scope, run, module, x)
         except Exception as err:  # a peer this install lacks: say so, compare the rest
             print(f"skip {name} at T={t} D={d} F={f} E={e} K={k}: {type(err).__name__}: {err}", file=sys.stderr)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
@@ -224,15 +272,15 @@ def profile_point(t, d, f, e, k, only, steps: int = 5, dtype=torch.float32, gemm
     x = torch.randn(t, d, dtype=dtype)
     lines = []
     for name, make in CONTENDERS.items():
-        if only and name not in only:
+        if not _chosen(name, only):
             continue
-        run, module = make(d, f, e, k)
+        run, module, scope = _make(make, d, f, e, k)
         module.to(dtype=dtype)
         for _ in range(3):
-            train_step(run, module, x)
+            _step(scope, run, module, x)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=gemms is not None) as prof:
             for _ in range(steps):
-                train_step(run, module, x, BACKWARD)
+                _step(scope, run, module, x, BACKWARD)
         events = prof.key_averages()
         total = sum(ev.self_cpu_time_total for ev in events if ev.key != BACKWARD) / steps / 1e3
         gemm = sum(ev.self_cpu_time_total for ev in events if ev.key in GEMMS) / steps / 1e3

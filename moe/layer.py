@@ -179,8 +179,9 @@ def aux_loss(model: nn.Module) -> Tensor:
 
 def release_work_buffers() -> None:
     """Free the CPU memory this thread keeps between steps: the blocks of
-    `moe.kernels.workspace` (the layer's large results, up to its limit, 2 GiB by default) and
-    the BASE solver's work buffers (`moe.routing.release_work_buffers`). Later steps make and
-    keep new ones; `moe.kernels.workspace.set_limit(0)` stops the keeping."""
+    `moe.kernels.workspace` (the layer's large results, up to its limit: by default a quarter of
+    the machine's memory, at least 2 GiB) and the BASE solver's work buffers
+    (`moe.routing.release_work_buffers`). Later steps make and keep new ones;
+    `moe.kernels.workspace.set_limit(0)` stops the keeping."""
     workspace.release()
     _release_routing_buffers()

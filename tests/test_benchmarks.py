@@ -99,6 +99,30 @@ def test_layer_grid_point_has_every_contender_and_the_ratios():
     assert float(base_vs_dense) > 0
 
 
+def test_layer_grid_kept_contender_keeps_its_own_blocks_under_its_own_limit():
+    from benchmarks import layer_grid
+    from benchmarks.common import train_step
+    from moe.kernels import workspace
+
+    workspace.release()
+    x = torch.randn(4096, 64)  # 8,192 rows of (8192, 128) fp32 gate and up: 4 MiB each
+    run, layer, scope = layer_grid._ours_kept(64, 128, 4, 2, limit=5 << 20)
+    try:
+        for _ in range(2):
+            with scope():
+                train_step(run, layer, x)
+                own = workspace.kept_bytes()
+                assert workspace._limit[0] == 5 << 20
+        assert 4 << 20 <= own <= 5 << 20  # one block kept, no more than its limit
+        assert workspace.kept_bytes() == 0 and workspace._limit[0] == workspace.DEFAULT_LIMIT  # the thread's own
+        train_step(*layer_grid._ours(64, 128, 4, 2), x)  # the plain contender keeps in the thread's blocks
+        assert workspace.kept_bytes() > 5 << 20
+        assert layer_grid._chosen("ours 2 GiB kept", ["ours 2 GiB kept"])
+        assert not layer_grid._chosen("ours 2 GiB kept", None) and layer_grid._chosen("ours", None)
+    finally:
+        workspace.release()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_adapters_slot_runs_both_layers_in_the_dtype_asked(dtype, capsys, monkeypatch):
     pytest.importorskip("torchtitan", reason="needs the torchtitan extra")

@@ -18,6 +18,7 @@ its own blocks, up to the limit (`set_limit`); `release` forgets them.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 
@@ -26,6 +27,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
+    "DEFAULT_LIMIT",
     "MIN_BYTES",
     "apply_named",
     "eager",
@@ -38,7 +40,20 @@ __all__ = [
 ]
 
 MIN_BYTES = 1 << 20  # smaller tensors come from the heap, whose pages are already touched
-_limit = [2 << 30]  # bytes each thread keeps at most
+
+
+def _physical_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
+        return None
+
+
+# a quarter of the machine's memory, at least 2 GiB: what one step of a large layer needs kept
+# (a layer of 64 experts of 1024 x 2816 in fp32 keeps 2.7 GiB at 2,048 tokens and 4.5 GiB
+# at 8,192; below that its weight gradients come fresh every step: docs/kernels.md)
+DEFAULT_LIMIT = max(2 << 30, (_physical_bytes() or 0) // 4)
+_limit = [DEFAULT_LIMIT]  # bytes each thread keeps at most
 _local = threading.local()
 
 
@@ -83,7 +98,8 @@ def tracked_grads(plain, inputs: tuple, needs: tuple[bool, ...], grad_out: Tenso
 
 
 def set_limit(nbytes: int) -> None:
-    """Keep at most ``nbytes`` of CPU memory per thread for reuse (default 2 GiB; 0 keeps none).
+    """Keep at most ``nbytes`` of CPU memory per thread for reuse (default `DEFAULT_LIMIT`: a
+    quarter of the machine's memory, at least 2 GiB; 0 keeps none).
     Each thread drops its unused blocks beyond the limit at its next `empty` (this one now),
     and blocks in use beyond it once they are unused."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:

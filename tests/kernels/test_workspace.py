@@ -1,6 +1,8 @@
 """The kept CPU memory of `moe.kernels.workspace`: reused only when nothing else holds it."""
 
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +17,18 @@ BIG = (512, 1024)  # 2 MiB of fp32: kept
 def fresh_workspace():
     workspace.release()
     yield
-    workspace.set_limit(2 << 30)
+    workspace.set_limit(workspace.DEFAULT_LIMIT)
     workspace.release()
+
+
+def test_the_default_limit_is_a_quarter_of_the_machines_memory_and_at_least_2_gib():
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        pytest.skip("reads the machine's memory from Linux's /proc/meminfo")
+    kib = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text()).group(1))
+    # MemTotal leaves out what the kernel reserves for itself: within 2% of the physical pages
+    assert max(2 << 30, 0.98 * kib * 1024 / 4) <= workspace.DEFAULT_LIMIT <= max(2 << 30, 1.02 * kib * 1024 / 4)
+    assert workspace._limit[0] == workspace.DEFAULT_LIMIT
 
 
 def test_unused_block_is_reused_and_shaped_as_asked():
