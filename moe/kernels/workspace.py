@@ -49,10 +49,17 @@ def _physical_bytes() -> int | None:
         return None
 
 
-# a quarter of the machine's memory, at least 2 GiB: what one step of a large layer needs kept
-# (a layer of 64 experts of 1024 x 2816 in fp32 keeps 2.7 GiB at 2,048 tokens and 4.5 GiB
-# at 8,192; below that its weight gradients come fresh every step: docs/kernels.md)
-DEFAULT_LIMIT = max(2 << 30, (_physical_bytes() or 0) // 4)
+def _default_limit(environ=os.environ) -> int:
+    """A quarter of the machine's memory, shared by the processes a launcher starts on it
+    (torchrun's ``LOCAL_WORLD_SIZE``), and at least 2 GiB: what one step of a large layer needs
+    kept (64 experts of 1024 x 2816 in fp32 keep 2.7 GiB at 2,048 tokens and 4.5 GiB at 8,192;
+    below that its weight gradients come fresh every step: docs/kernels.md)."""
+    local = environ.get("LOCAL_WORLD_SIZE", "1")
+    processes = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(2 << 30, (_physical_bytes() or 0) // 4 // processes)
+
+
+DEFAULT_LIMIT = _default_limit()
 _limit = [DEFAULT_LIMIT]  # bytes each thread keeps at most
 _local = threading.local()
 
@@ -99,7 +106,7 @@ def tracked_grads(plain, inputs: tuple, needs: tuple[bool, ...], grad_out: Tenso
 
 def set_limit(nbytes: int) -> None:
     """Keep at most ``nbytes`` of CPU memory per thread for reuse (default `DEFAULT_LIMIT`: a
-    quarter of the machine's memory, at least 2 GiB; 0 keeps none).
+    quarter of the machine's memory over the processes on it, at least 2 GiB; 0 keeps none).
     Each thread drops its unused blocks beyond the limit at its next `empty` (this one now),
     and blocks in use beyond it once they are unused."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:

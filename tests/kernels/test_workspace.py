@@ -21,14 +21,21 @@ def fresh_workspace():
     workspace.release()
 
 
-def test_the_default_limit_is_a_quarter_of_the_machines_memory_and_at_least_2_gib():
+def test_the_default_limit_is_a_quarter_of_the_machines_memory_over_its_processes_and_at_least_2_gib():
     meminfo = Path("/proc/meminfo")
     if not meminfo.exists():
         pytest.skip("reads the machine's memory from Linux's /proc/meminfo")
-    kib = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text()).group(1))
-    # MemTotal leaves out what the kernel reserves for itself: within 2% of the physical pages
-    assert max(2 << 30, 0.98 * kib * 1024 / 4) <= workspace.DEFAULT_LIMIT <= max(2 << 30, 1.02 * kib * 1024 / 4)
-    assert workspace._limit[0] == workspace.DEFAULT_LIMIT
+    quarter = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text()).group(1)) * 1024 / 4
+
+    def near(limit, want):  # MemTotal leaves out what the kernel keeps: within 2% of the pages
+        return max(2 << 30, 0.98 * want) <= limit <= max(2 << 30, 1.02 * want)
+
+    assert near(workspace._default_limit({}), quarter)
+    assert near(workspace._default_limit({"LOCAL_WORLD_SIZE": "2"}), quarter / 2)
+    assert workspace._default_limit({"LOCAL_WORLD_SIZE": "4096"}) == 2 << 30
+    for bad in ("0", "-2", "x", ""):  # not a launcher's count: as one process
+        assert workspace._default_limit({"LOCAL_WORLD_SIZE": bad}) == workspace._default_limit({})
+    assert workspace._limit[0] == workspace.DEFAULT_LIMIT == workspace._default_limit()
 
 
 def test_unused_block_is_reused_and_shaped_as_asked():
