@@ -81,7 +81,8 @@ def _ours_whole_row(d, f, e, k):
 @contextlib.contextmanager
 def _own_kept(pool, limit: int):
     """The calls inside run with ``pool`` as this thread's kept blocks of `moe.kernels.workspace`
-    and ``limit`` as its limit (the module's per-thread state, swapped in and back), so one
+    and ``limit`` as the limit (the module's state, swapped in and back: the blocks are the
+    thread's, the limit is the process's, which suits this one-thread benchmark), so one
     contender's kept memory is not another's."""
     from moe.kernels import workspace
 
@@ -90,9 +91,8 @@ def _own_kept(pool, limit: int):
     try:
         yield
     finally:
-        if saved[0] is None:
-            del workspace._local.kept
-        else:
+        workspace._local.__dict__.pop("kept", None)
+        if saved[0] is not None:
             workspace._local.kept = saved[0]
         workspace._limit[0] = saved[1]
 
@@ -174,6 +174,11 @@ def _chosen(name: str, only) -> bool:
     return name in only if only else name not in OPT_IN
 
 
+def columns(only) -> list[str]:
+    """The contenders a table shows: all but the opt-in ones --only does not name."""
+    return [name for name in CONTENDERS if name not in OPT_IN or (only and name in only)]
+
+
 def _make(make, d, f, e, k):
     """A contender's (run, module, scope): ``scope()`` is a context for its whole step."""
     made = make(d, f, e, k)
@@ -215,7 +220,7 @@ def point(t, d, f, e, k, repeats, only, device="cpu", dtype=torch.float32, apart
 
     cells = " | ".join(
         f"{med[n] * 1e3:.1f} ({min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f})" if n in med else "-"
-        for n, ts in ((n, times.get(n, [])) for n in CONTENDERS)
+        for n, ts in ((n, times.get(n, [])) for n in columns(only))
     )
     return (
         f"| {t} | {d}/{f} | {e}/{k} | {cells} | {ratio('ours', 'torchtitan')} | {ratio('ours', 'Megatron')} "
@@ -334,10 +339,10 @@ def main(argv: list[str] | None = None) -> None:
         f"load before {os.getloadavg()[0]:.2f}; median ms of {args.repeats} (min-max), forward + backward\n"
     )
     print(
-        "| T | D/F | E/K | " + " | ".join(CONTENDERS) + " | ours / torchtitan | ours / Megatron | ours / dense "
+        "| T | D/F | E/K | " + " | ".join(columns(args.only)) + " | ours / torchtitan | ours / Megatron | ours / dense "
         "| ours BASE / dense |"
     )
-    print("|" + "---|" * (3 + len(CONTENDERS) + 4))
+    print("|" + "---|" * (3 + len(columns(args.only)) + 4))
     for p in points:
         row = point(*p, args.repeats, args.only, args.device, getattr(torch, args.dtype), args.apart, args.touch)
         print(row, flush=True)

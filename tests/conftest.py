@@ -13,6 +13,12 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
+# the test processes keep at most 2 GiB of the layers' results between calls, not a quarter of
+# the machine each: the suite's shapes are small, and its many shapes would fill a larger limit
+from moe.kernels import workspace  # noqa: E402
+
+workspace.set_limit(2 << 30)
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -42,24 +43,41 @@ __all__ = [
 MIN_BYTES = 1 << 20  # smaller tensors come from the heap, whose pages are already touched
 
 
-def _physical_bytes() -> int | None:
+# where a container's memory limit is (cgroup v2, then v1): a number, or "max" for none
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def _memory_bytes() -> int | None:
+    """The memory this process may use: the machine's, or its container's limit where lower."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        found = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
     except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
-        return None
+        found = []
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdecimal():
+            found.append(int(text))
+    return min(found, default=None)
 
 
-def _default_limit(environ=os.environ) -> int:
-    """A quarter of the machine's memory, shared by the processes a launcher starts on it
-    (torchrun's ``LOCAL_WORLD_SIZE``), and at least 2 GiB: what one step of a large layer needs
-    kept (64 experts of 1024 x 2816 in fp32 keep 2.7 GiB at 2,048 tokens and 4.5 GiB at 8,192;
-    below that its weight gradients come fresh every step: docs/kernels.md)."""
-    local = environ.get("LOCAL_WORLD_SIZE", "1")
-    processes = int(local) if local.isdigit() and int(local) > 0 else 1
-    return max(2 << 30, (_physical_bytes() or 0) // 4 // processes)
+def _default_limit(memory: int | None, environ: Mapping[str, str]) -> int:
+    """A quarter of ``memory`` over the processes a launcher starts on the machine (torchrun's
+    ``LOCAL_WORLD_SIZE`` in ``environ``; 1 where it is missing or not a positive integer), and
+    at least 2 GiB: what one step of a large layer needs kept (64 experts of 1024 x 2816 in fp32
+    keep 2.7 GiB at 2,048 tokens and 4.5 GiB at 8,192; below that its weight gradients come
+    fresh every step: docs/kernels.md)."""
+    try:
+        processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        processes = 1
+    return max(2 << 30, (memory or 0) // 4 // processes)
 
 
-DEFAULT_LIMIT = _default_limit()
+DEFAULT_LIMIT = _default_limit(_memory_bytes(), os.environ)  # read once, at import
 _limit = [DEFAULT_LIMIT]  # bytes each thread keeps at most
 _local = threading.local()
 
@@ -106,7 +124,8 @@ def tracked_grads(plain, inputs: tuple, needs: tuple[bool, ...], grad_out: Tenso
 
 def set_limit(nbytes: int) -> None:
     """Keep at most ``nbytes`` of CPU memory per thread for reuse (default `DEFAULT_LIMIT`: a
-    quarter of the machine's memory over the processes on it, at least 2 GiB; 0 keeps none).
+    quarter of the machine's memory, or its container's, over torchrun's local processes, at
+    least 2 GiB; 0 keeps none).
     Each thread drops its unused blocks beyond the limit at its next `empty` (this one now),
     and blocks in use beyond it once they are unused."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:

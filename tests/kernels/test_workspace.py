@@ -1,8 +1,7 @@
 """The kept CPU memory of `moe.kernels.workspace`: reused only when nothing else holds it."""
 
-import re
+import os
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,27 +14,40 @@ BIG = (512, 1024)  # 2 MiB of fp32: kept
 
 @pytest.fixture(autouse=True)
 def fresh_workspace():
+    limit = workspace._limit[0]  # conftest's under pytest-xdist
     workspace.release()
     yield
-    workspace.set_limit(workspace.DEFAULT_LIMIT)
+    workspace.set_limit(limit)
     workspace.release()
 
 
-def test_the_default_limit_is_a_quarter_of_the_machines_memory_over_its_processes_and_at_least_2_gib():
-    meminfo = Path("/proc/meminfo")
-    if not meminfo.exists():
-        pytest.skip("reads the machine's memory from Linux's /proc/meminfo")
-    quarter = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text()).group(1)) * 1024 / 4
+GIB = 1 << 30
 
-    def near(limit, want):  # MemTotal leaves out what the kernel keeps: within 2% of the pages
-        return max(2 << 30, 0.98 * want) <= limit <= max(2 << 30, 1.02 * want)
 
-    assert near(workspace._default_limit({}), quarter)
-    assert near(workspace._default_limit({"LOCAL_WORLD_SIZE": "2"}), quarter / 2)
-    assert workspace._default_limit({"LOCAL_WORLD_SIZE": "4096"}) == 2 << 30
-    for bad in ("0", "-2", "x", ""):  # not a launcher's count: as one process
-        assert workspace._default_limit({"LOCAL_WORLD_SIZE": bad}) == workspace._default_limit({})
-    assert workspace._limit[0] == workspace.DEFAULT_LIMIT == workspace._default_limit()
+def test_the_default_limit_is_a_quarter_of_the_memory_over_torchruns_local_processes_and_at_least_2_gib():
+    limit = workspace._default_limit
+    assert limit(64 * GIB, {}) == 16 * GIB
+    assert limit(64 * GIB, {"LOCAL_WORLD_SIZE": "4"}) == 4 * GIB
+    assert limit(64 * GIB, {"LOCAL_WORLD_SIZE": " 2"}) == 8 * GIB
+    assert limit(4 * GIB, {}) == limit(None, {}) == limit(64 * GIB, {"LOCAL_WORLD_SIZE": "64"}) == 2 * GIB
+    for bad in ("0", "-2", "x", "", "\u00b2", "1.5"):  # not a launcher's count: as one process
+        assert limit(64 * GIB, {"LOCAL_WORLD_SIZE": bad}) == 16 * GIB
+
+
+def test_the_memory_is_the_machines_or_its_containers_where_lower(tmp_path, monkeypatch):
+    if not hasattr(os, "sysconf"):
+        pytest.skip("reads the machine's memory through os.sysconf")
+    none, low, high, unlimited = (tmp_path / name for name in ("none", "low", "high", "unlimited"))
+    low.write_text(f"{GIB}\n")
+    high.write_text(f"{1 << 60}\n")
+    unlimited.write_text("max\n")
+    monkeypatch.setattr(workspace, "_CGROUP_LIMITS", (str(none), str(unlimited)))
+    machine = workspace._memory_bytes()
+    assert machine == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") > GIB
+    monkeypatch.setattr(workspace, "_CGROUP_LIMITS", (str(high), str(low)))
+    assert workspace._memory_bytes() == GIB
+    monkeypatch.setattr(workspace, "_CGROUP_LIMITS", (str(high), str(none)))
+    assert workspace._memory_bytes() == machine
 
 
 def test_unused_block_is_reused_and_shaped_as_asked():
