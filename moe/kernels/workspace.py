@@ -43,7 +43,9 @@ __all__ = [
 MIN_BYTES = 1 << 20  # smaller tensors come from the heap, whose pages are already touched
 
 
-# where a container's memory limit is (cgroup v2, then v1): a number, or "max" for none
+# where a container's memory limit is (cgroup v2, then v1), at the mount's root: a container
+# with its own cgroup namespace sees its limit there; a process in a sub-cgroup of the host's
+# (a SLURM job, a systemd slice) does not, and gets the machine's memory: set the limit there
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
@@ -55,13 +57,11 @@ def _memory_bytes() -> int | None:
         found = []
     for path in _CGROUP_LIMITS:
         try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
+            with open(path, "rb") as f:
+                found.append(int(f.read().strip()))  # "max" (no limit) and odd contents raise
+        except (OSError, ValueError):
             continue
-        if text.isdecimal():
-            found.append(int(text))
-    return min(found, default=None)
+    return min((n for n in found if n > 0), default=None)
 
 
 def _default_limit(memory: int | None, environ: Mapping[str, str]) -> int:

@@ -14,7 +14,7 @@ BIG = (512, 1024)  # 2 MiB of fp32: kept
 
 @pytest.fixture(autouse=True)
 def fresh_workspace():
-    limit = workspace._limit[0]  # conftest's under pytest-xdist
+    limit = workspace._limit[0]  # as tests/conftest.py set it
     workspace.release()
     yield
     workspace.set_limit(limit)
@@ -48,6 +48,12 @@ def test_the_memory_is_the_machines_or_its_containers_where_lower(tmp_path, monk
     assert workspace._memory_bytes() == GIB
     monkeypatch.setattr(workspace, "_CGROUP_LIMITS", (str(high), str(none)))
     assert workspace._memory_bytes() == machine
+    odd = tmp_path / "odd"
+    odd.write_bytes(b"\xff\xfe")
+    monkeypatch.setattr(workspace, "_CGROUP_LIMITS", (str(odd), str(tmp_path), str(low)))  # bytes, a directory
+    assert workspace._memory_bytes() == GIB
+    monkeypatch.undo()
+    assert workspace.DEFAULT_LIMIT == workspace._default_limit(workspace._memory_bytes(), os.environ)
 
 
 def test_unused_block_is_reused_and_shaped_as_asked():
