@@ -176,7 +176,7 @@ def _chosen(name: str, only) -> bool:
 
 def columns(only) -> list[str]:
     """The contenders a table shows: all but the opt-in ones --only does not name."""
-    return [name for name in CONTENDERS if name not in OPT_IN or (only and name in only)]
+    return [name for name in CONTENDERS if name not in OPT_IN or _chosen(name, only)]
 
 
 def _make(make, d, f, e, k):
